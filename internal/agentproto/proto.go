@@ -1,0 +1,144 @@
+// Package agentproto defines the wire protocol between kiln (the host) and
+// kiln-agent (inside every sandbox): length-prefixed JSON frames over one
+// byte stream (a pipe, virtio-serial, vsock or socket).
+//
+// It uses the standard library only: the agent imports it, and code inside
+// the box never imports host code.
+package agentproto
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+)
+
+// MaxFrame bounds a single frame. A peer that announces more is broken or
+// hostile; the decoder refuses it without allocating.
+const MaxFrame = 64 << 20
+
+// Operations a host may ask of the agent.
+const (
+	OpPython    = "python"    // run a cell in the persistent kernel
+	OpShell     = "shell"     // run a bash command in the workspace
+	OpWrite     = "write"     // write a file under the workspace
+	OpRead      = "read"      // read a file under the workspace
+	OpList      = "list"      // list a directory under the workspace
+	OpInterrupt = "interrupt" // interrupt whatever is running
+	OpChanges   = "changes"   // list files changed since a mark
+	OpPing      = "ping"
+)
+
+// Hello is the first frame the agent sends, once its kernel is ready.
+type Hello struct {
+	Version   int      `json:"version"`
+	Python    string   `json:"python,omitempty"`    // python version, "" if none
+	Preloaded []string `json:"preloaded,omitempty"` // modules imported at start
+	Error     string   `json:"error,omitempty"`     // the agent could not start
+}
+
+// Request is a host → agent frame.
+type Request struct {
+	ID        uint64 `json:"id"`
+	Op        string `json:"op"`
+	Code      string `json:"code,omitempty"`       // OpPython source, OpShell command
+	Path      string `json:"path,omitempty"`       // file operations, relative to the workspace
+	Data      []byte `json:"data,omitempty"`       // OpWrite content
+	MaxOutput int    `json:"max_output,omitempty"` // cap per stream, in bytes
+	MaxBytes  int64  `json:"max_bytes,omitempty"`  // OpRead cap
+	Since     int64  `json:"since,omitempty"`      // OpChanges: unix nanoseconds
+}
+
+// Response is an agent → host frame answering the Request with the same ID.
+type Response struct {
+	ID    uint64      `json:"id"`
+	Error string      `json:"error,omitempty"` // the operation itself failed (bad path, …)
+	Exec  *ExecResult `json:"exec,omitempty"`
+	Data  []byte      `json:"data,omitempty"`
+	Size  int64       `json:"size,omitempty"` // OpRead: the file's full size
+	Files []FileInfo  `json:"files,omitempty"`
+}
+
+// ExecResult is what one cell or command produced.
+type ExecResult struct {
+	Stdout    Stream       `json:"stdout"`
+	Stderr    Stream       `json:"stderr"`
+	Result    *MimeBundle  `json:"result,omitempty"`  // the cell's last expression
+	Displays  []MimeBundle `json:"displays,omitempty"` // display() calls and figures, in order
+	Error     *ExecError   `json:"error,omitempty"`
+	ExitCode  int          `json:"exit_code"`
+	Signal    string       `json:"signal,omitempty"`
+	Interrupt bool         `json:"interrupted,omitempty"`
+}
+
+// Stream is captured output, capped by keeping its head and tail.
+type Stream struct {
+	Text  string `json:"text"`
+	Total int64  `json:"total"` // bytes produced, including dropped ones
+}
+
+// Truncated reports how many bytes were dropped from the middle.
+func (s Stream) Truncated() int64 { return s.Total - int64(len(s.Text)) }
+
+// MimeBundle maps a MIME type to its representation. Binary types (image/png)
+// are base64 strings, as in Jupyter's display protocol.
+type MimeBundle map[string]string
+
+// ExecError describes an exception raised by the cell.
+type ExecError struct {
+	Name      string `json:"ename"`
+	Value     string `json:"evalue"`
+	Traceback string `json:"traceback"`
+}
+
+// FileInfo describes one entry of a workspace directory.
+type FileInfo struct {
+	Path    string `json:"path"`
+	Size    int64  `json:"size"`
+	Dir     bool   `json:"dir,omitempty"`
+	Symlink bool   `json:"symlink,omitempty"`
+	ModNano int64  `json:"mtime_ns,omitempty"`
+}
+
+// ErrFrameTooLarge is returned for a frame longer than MaxFrame.
+var ErrFrameTooLarge = errors.New("agentproto: frame too large")
+
+// WriteFrame writes v as one frame.
+func WriteFrame(w io.Writer, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return fmt.Errorf("encoding frame: %w", err)
+	}
+	if len(b) > MaxFrame {
+		return ErrFrameTooLarge
+	}
+	buf := make([]byte, 4+len(b))
+	binary.BigEndian.PutUint32(buf, uint32(len(b)))
+	copy(buf[4:], b)
+	_, err = w.Write(buf)
+	return err
+}
+
+// ReadFrame reads one frame into v.
+func ReadFrame(r io.Reader, v any) error {
+	var hdr [4]byte
+	if _, err := io.ReadFull(r, hdr[:]); err != nil {
+		return err
+	}
+	n := binary.BigEndian.Uint32(hdr[:])
+	if n > MaxFrame {
+		return ErrFrameTooLarge
+	}
+	b := make([]byte, n)
+	if _, err := io.ReadFull(r, b); err != nil {
+		if err == io.EOF {
+			err = io.ErrUnexpectedEOF
+		}
+		return err
+	}
+	if err := json.Unmarshal(b, v); err != nil {
+		return fmt.Errorf("decoding frame: %w", err)
+	}
+	return nil
+}
