@@ -1,17 +1,208 @@
 // Package guestinit prepares a microVM guest when kiln-agent runs as its
 // PID 1: mounts, the workspace tmpfs, the host stream device. It runs inside
-// the box and imports no host-side code.
+// the box and imports no host-side code (only the standard library and
+// golang.org/x/sys).
+//
+// A guest boots in two stages, both run by the same kiln-agent binary:
+//
+//  1. In the initramfs (the root is a ramfs), Setup loads the kernel modules
+//     listed in ModulesFile, mounts the root disk read-only, switches root to
+//     it and re-executes AgentPath with the same arguments. It does not
+//     return when this works.
+//  2. On the real root, Setup mounts /proc, /sys, /dev, the size-capped
+//     workspace and /tmp, sets the hostname, brings up lo and returns the
+//     path of the virtio-serial port named PortName.
+//
+// The host passes sizes and names on the kernel command line as kiln.*
+// parameters (see Params); fields set in Config win over them.
 package guestinit
 
-import "errors"
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+)
 
-// Config is what the agent passes to Setup.
+// Names shared with the host side (package image and the microvm driver).
+const (
+	// AgentPath is where kiln-agent lives in the root filesystem.
+	AgentPath = "/sbin/kiln-agent"
+	// ModulesFile lists, one per line and in load order, the kernel
+	// modules (paths inside the initramfs) that stage 1 loads.
+	ModulesFile = "/etc/kiln/modules"
+	// PortName is the virtio-serial port name the host gives the agent's
+	// stream (-device virtserialport,name=kiln.agent).
+	PortName = "kiln.agent"
+)
+
+// ErrUnsupported is returned on operating systems other than Linux.
+var ErrUnsupported = errors.New("guestinit: not supported on this OS")
+
+// Config is what the agent passes to Setup. Zero fields are taken from the
+// kernel command line, then from the defaults.
 type Config struct {
-	Workspace string // where the size-capped workspace tmpfs goes, e.g. /work
+	Workspace      string // where the size-capped workspace tmpfs goes, e.g. /work
+	WorkspaceBytes int64  // size of the workspace tmpfs
+	TmpBytes       int64  // size of /tmp
+	Inodes         int64  // files in the workspace and in /tmp, each
+	UID, GID       int    // owner of the workspace (the user that runs code)
+	Hostname       string
 }
 
-// Setup prepares the guest and returns the path of the character device
-// that carries the agent protocol to the host.
-func Setup(cfg Config) (stream string, err error) {
-	return "", errors.New("guestinit: not implemented yet")
+// Params are the kiln.* kernel command line parameters the host sets.
+type Params struct {
+	WorkspaceBytes int64  // kiln.work_size
+	TmpBytes       int64  // kiln.tmp_size
+	Inodes         int64  // kiln.inodes
+	UID, GID       int    // kiln.uid, kiln.gid
+	Hostname       string // kiln.hostname
+	Port           string // kiln.port: the virtio-serial port name
+	Root           string // root= (stage 1)
+	RootFSType     string // rootfstype= (stage 1)
+}
+
+// Defaults used when neither Config nor the command line says.
+var defaults = Params{
+	WorkspaceBytes: 512 << 20,
+	TmpBytes:       256 << 20,
+	Inodes:         65536,
+	UID:            1000,
+	GID:            1000,
+	Hostname:       "kiln",
+	Port:           PortName,
+	Root:           "/dev/vda",
+	RootFSType:     "ext4",
+}
+
+// ParseCmdline reads the parameters kiln cares about from a kernel command
+// line (the contents of /proc/cmdline). Unknown words are ignored; missing
+// or malformed values keep their defaults. Everything after "--" belongs to
+// init and is ignored.
+func ParseCmdline(cmdline string) Params {
+	p := defaults
+	for _, w := range strings.Fields(cmdline) {
+		if w == "--" {
+			break
+		}
+		k, v, ok := strings.Cut(w, "=")
+		if !ok || v == "" {
+			continue
+		}
+		switch k {
+		case "kiln.work_size":
+			setSize(&p.WorkspaceBytes, v)
+		case "kiln.tmp_size":
+			setSize(&p.TmpBytes, v)
+		case "kiln.inodes":
+			setSize(&p.Inodes, v)
+		case "kiln.uid":
+			setInt(&p.UID, v)
+		case "kiln.gid":
+			setInt(&p.GID, v)
+		case "kiln.hostname":
+			if validHostname(v) {
+				p.Hostname = v
+			}
+		case "kiln.port":
+			p.Port = v
+		case "root":
+			p.Root = v
+		case "rootfstype":
+			p.RootFSType = v
+		}
+	}
+	return p
+}
+
+func setSize(dst *int64, v string) {
+	if n, err := strconv.ParseInt(v, 10, 64); err == nil && n > 0 {
+		*dst = n
+	}
+}
+
+func setInt(dst *int, v string) {
+	if n, err := strconv.Atoi(v); err == nil && n >= 0 {
+		*dst = n
+	}
+}
+
+func validHostname(s string) bool {
+	if len(s) == 0 || len(s) > 64 {
+		return false
+	}
+	for _, r := range s {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '.') {
+			return false
+		}
+	}
+	return true
+}
+
+// merge fills zero fields of cfg from p.
+func (cfg Config) merge(p Params) Config {
+	if cfg.Workspace == "" {
+		cfg.Workspace = "/work"
+	}
+	if cfg.WorkspaceBytes == 0 {
+		cfg.WorkspaceBytes = p.WorkspaceBytes
+	}
+	if cfg.TmpBytes == 0 {
+		cfg.TmpBytes = p.TmpBytes
+	}
+	if cfg.Inodes == 0 {
+		cfg.Inodes = p.Inodes
+	}
+	if cfg.UID == 0 && cfg.GID == 0 {
+		cfg.UID, cfg.GID = p.UID, p.GID
+	}
+	if cfg.Hostname == "" {
+		cfg.Hostname = p.Hostname
+	}
+	return cfg
+}
+
+// mount is one filesystem Setup mounts. The table is data so it can be
+// read, reviewed and tested in one place.
+type mount struct {
+	source, target, fstype string
+	flags                  uintptr
+	data                   string
+}
+
+// Mount flags, mirrored here so the table builds on every OS.
+const (
+	msRdonly uintptr = 0x1
+	msNosuid uintptr = 0x2
+	msNodev  uintptr = 0x4
+	msNoexec uintptr = 0x8
+)
+
+// mounts returns what stage 2 mounts, in order.
+func mounts(cfg Config) []mount {
+	return []mount{
+		// hidepid=2: code running as the unprivileged user cannot see
+		// the agent's processes.
+		{"proc", "/proc", "proc", msNosuid | msNodev | msNoexec, "hidepid=2"},
+		{"sysfs", "/sys", "sysfs", msNosuid | msNodev | msNoexec | msRdonly, ""},
+		{"devtmpfs", "/dev", "devtmpfs", msNosuid | msNoexec, "mode=0755"},
+		{"devpts", "/dev/pts", "devpts", msNosuid | msNoexec, "newinstance,ptmxmode=0666,mode=0620"},
+		{"tmpfs", "/dev/shm", "tmpfs", msNosuid | msNodev, fmt.Sprintf("mode=1777,size=%d", min(cfg.TmpBytes, 64<<20))},
+		{"tmpfs", "/tmp", "tmpfs", msNosuid | msNodev, fmt.Sprintf("mode=1777,size=%d,nr_inodes=%d", cfg.TmpBytes, cfg.Inodes)},
+		{"tmpfs", "/run", "tmpfs", msNosuid | msNodev | msNoexec, "mode=0755,size=1048576"},
+		{"tmpfs", cfg.Workspace, "tmpfs", msNosuid | msNodev, fmt.Sprintf("mode=0755,size=%d,nr_inodes=%d,uid=%d,gid=%d", cfg.WorkspaceBytes, cfg.Inodes, cfg.UID, cfg.GID)},
+	}
+}
+
+// ParseModules reads ModulesFile: one module path a line, # comments.
+func ParseModules(s string) []string {
+	var out []string
+	for _, line := range strings.Split(s, "\n") {
+		line = strings.TrimSpace(line)
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		out = append(out, line)
+	}
+	return out
 }

@@ -1,0 +1,241 @@
+package guestinit
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Filesystem magic numbers of an initramfs root.
+const (
+	ramfsMagic = 0x858458f6
+	tmpfsMagic = 0x01021994
+)
+
+// portWait bounds how long Setup waits for a device to appear. It is
+// generous: under TCG a module probe takes seconds.
+const portWait = 60 * time.Second
+
+// Setup prepares the guest and returns the path of the character device
+// that carries the agent protocol to the host. In the initramfs it switches
+// to the real root and re-executes AgentPath; it returns only on error there.
+func Setup(cfg Config) (stream string, err error) {
+	if os.Getpid() != 1 {
+		return "", errors.New("guestinit: not running as PID 1")
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs("/", &st); err != nil {
+		return "", fmt.Errorf("inspecting root: %w", err)
+	}
+	if st.Type == ramfsMagic || st.Type == tmpfsMagic {
+		return "", switchRoot()
+	}
+	return setupRoot(cfg)
+}
+
+// switchRoot is stage 1: load modules, mount the root disk, move onto it
+// and exec the agent from it.
+func switchRoot() error {
+	for _, m := range []mount{
+		{"proc", "/proc", "proc", msNosuid | msNodev | msNoexec, ""},
+		{"sysfs", "/sys", "sysfs", msNosuid | msNodev | msNoexec, ""},
+		{"devtmpfs", "/dev", "devtmpfs", msNosuid | msNoexec, "mode=0755"},
+	} {
+		if err := doMount(m); err != nil {
+			return err
+		}
+	}
+	cmdline, err := os.ReadFile("/proc/cmdline")
+	if err != nil {
+		return fmt.Errorf("reading kernel command line: %w", err)
+	}
+	p := ParseCmdline(string(cmdline))
+	if err := loadModules(); err != nil {
+		return err
+	}
+	if err := waitFor(p.Root); err != nil {
+		return err
+	}
+	const newRoot = "/newroot"
+	if err := os.MkdirAll(newRoot, 0o755); err != nil {
+		return fmt.Errorf("creating %s: %w", newRoot, err)
+	}
+	if err := unix.Mount(p.Root, newRoot, p.RootFSType, unix.MS_RDONLY, ""); err != nil {
+		return fmt.Errorf("mounting root %s (%s): %w", p.Root, p.RootFSType, err)
+	}
+	for _, t := range []string{"/proc", "/sys", "/dev"} {
+		if err := unix.Unmount(t, unix.MNT_DETACH); err != nil {
+			return fmt.Errorf("unmounting %s: %w", t, err)
+		}
+	}
+	// Free the initramfs: nothing in it is needed once we exec.
+	entries, _ := os.ReadDir("/")
+	for _, e := range entries {
+		if e.Name() != "newroot" {
+			os.RemoveAll("/" + e.Name())
+		}
+	}
+	if err := os.Chdir(newRoot); err != nil {
+		return fmt.Errorf("entering new root: %w", err)
+	}
+	if err := unix.Mount(".", "/", "", unix.MS_MOVE, ""); err != nil {
+		return fmt.Errorf("moving new root: %w", err)
+	}
+	if err := unix.Chroot("."); err != nil {
+		return fmt.Errorf("changing root: %w", err)
+	}
+	if err := os.Chdir("/"); err != nil {
+		return fmt.Errorf("entering root: %w", err)
+	}
+	argv := append([]string{AgentPath}, os.Args[1:]...)
+	if err := unix.Exec(AgentPath, argv, os.Environ()); err != nil {
+		return fmt.Errorf("executing %s: %w", AgentPath, err)
+	}
+	return nil
+}
+
+func loadModules() error {
+	b, err := os.ReadFile(ModulesFile)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("reading module list: %w", err)
+	}
+	for _, path := range ParseModules(string(b)) {
+		f, err := os.Open(path)
+		if err != nil {
+			return fmt.Errorf("loading module: %w", err)
+		}
+		err = unix.FinitModule(int(f.Fd()), "", 0)
+		f.Close()
+		if err != nil && !errors.Is(err, unix.EEXIST) {
+			return fmt.Errorf("loading module %s: %w", filepath.Base(path), err)
+		}
+	}
+	return nil
+}
+
+func waitFor(path string) error {
+	deadline := time.Now().Add(portWait)
+	for {
+		if _, err := os.Stat(path); err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("waiting for %s: %w", path, os.ErrNotExist)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// setupRoot is stage 2.
+func setupRoot(cfg Config) (string, error) {
+	cmdline, err := os.ReadFile("/proc/cmdline")
+	if err != nil {
+		// /proc is not mounted yet: mount it plainly to read the
+		// command line; the table mounts it again with hidepid.
+		if err := doMount(mount{"proc", "/proc", "proc", msNosuid | msNodev | msNoexec, ""}); err != nil {
+			return "", err
+		}
+		cmdline, err = os.ReadFile("/proc/cmdline")
+		unix.Unmount("/proc", unix.MNT_DETACH)
+		if err != nil {
+			return "", fmt.Errorf("reading kernel command line: %w", err)
+		}
+	}
+	p := ParseCmdline(string(cmdline))
+	cfg = cfg.merge(p)
+	for _, m := range mounts(cfg) {
+		if err := doMount(m); err != nil {
+			return "", err
+		}
+	}
+	for name, target := range map[string]string{
+		"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0",
+		"/dev/stdout": "/proc/self/fd/1", "/dev/stderr": "/proc/self/fd/2",
+	} {
+		os.Symlink(target, name)
+	}
+	if err := unix.Sethostname([]byte(cfg.Hostname)); err != nil {
+		return "", fmt.Errorf("setting hostname: %w", err)
+	}
+	if err := loopbackUp(); err != nil {
+		return "", err
+	}
+	return findPort(p.Port)
+}
+
+func doMount(m mount) error {
+	if err := os.MkdirAll(m.target, 0o755); err != nil && !errors.Is(err, unix.EROFS) {
+		return fmt.Errorf("creating %s: %w", m.target, err)
+	}
+	err := unix.Mount(m.source, m.target, m.fstype, m.flags, m.data)
+	if errors.Is(err, unix.EBUSY) {
+		return nil // already mounted (devtmpfs automount)
+	}
+	if err != nil {
+		return fmt.Errorf("mounting %s on %s: %w", m.fstype, m.target, err)
+	}
+	return nil
+}
+
+func loopbackUp() error {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("bringing up lo: %w", err)
+	}
+	defer unix.Close(fd)
+	ifr, err := unix.NewIfreq("lo")
+	if err != nil {
+		return fmt.Errorf("bringing up lo: %w", err)
+	}
+	if err := unix.IoctlIfreq(fd, unix.SIOCGIFFLAGS, ifr); err != nil {
+		return fmt.Errorf("bringing up lo: %w", err)
+	}
+	ifr.SetUint16(ifr.Uint16() | unix.IFF_UP)
+	if err := unix.IoctlIfreq(fd, unix.SIOCSIFFLAGS, ifr); err != nil {
+		return fmt.Errorf("bringing up lo: %w", err)
+	}
+	return nil
+}
+
+// findPort finds the virtio-serial port by name in sysfs (there is no udev
+// to make /dev/virtio-ports/<name>) and returns its device node.
+func findPort(name string) (string, error) {
+	deadline := time.Now().Add(portWait)
+	for {
+		dirs, _ := filepath.Glob("/sys/class/virtio-ports/*")
+		for _, d := range dirs {
+			b, err := os.ReadFile(filepath.Join(d, "name"))
+			if err != nil || strings.TrimSpace(string(b)) != name {
+				continue
+			}
+			dev := "/dev/" + filepath.Base(d)
+			if _, err := os.Stat(dev); err == nil {
+				return dev, nil
+			}
+		}
+		if time.Now().After(deadline) {
+			return "", fmt.Errorf("finding virtio-serial port %q: %w", name, os.ErrNotExist)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// PowerOff flushes and powers the guest off. It returns only if the kernel
+// refused; the host then kills the VM.
+func PowerOff() error {
+	unix.Sync()
+	err := unix.Reboot(unix.LINUX_REBOOT_CMD_POWER_OFF)
+	// With -no-reboot, a restart ends the VM too.
+	if err2 := unix.Reboot(unix.LINUX_REBOOT_CMD_RESTART); err2 != nil {
+		err = errors.Join(err, err2)
+	}
+	return fmt.Errorf("powering off: %w", err)
+}
