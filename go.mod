@@ -3,10 +3,37 @@ module kiln
 go 1.26.8
 
 require (
-	github.com/elastic/go-seccomp-bpf v1.6.0 // indirect
-	github.com/google/go-cmp v0.7.0 // indirect
-	github.com/landlock-lsm/go-landlock v0.11.2 // indirect
-	github.com/modelcontextprotocol/go-sdk v1.8.0 // indirect
-	golang.org/x/net v0.41.0 // indirect
-	golang.org/x/sys v0.50.0 // indirect
+	github.com/elastic/go-seccomp-bpf v1.6.0
+	github.com/google/go-cmp v0.7.0
+	github.com/landlock-lsm/go-landlock v0.11.2
+	github.com/miekg/dns v1.1.73
+	github.com/opencontainers/runtime-spec v1.2.1
+	golang.org/x/sys v0.50.0
 )
+
+require (
+	github.com/cenkalti/backoff v2.2.1+incompatible // indirect
+	github.com/cilium/ebpf v0.16.0 // indirect
+	github.com/coreos/go-systemd/v22 v22.6.0 // indirect
+	github.com/creack/pty v1.1.24 // indirect
+	github.com/godbus/dbus/v5 v5.1.0 // indirect
+	github.com/gofrs/flock v0.8.0 // indirect
+	github.com/google/btree v1.1.2 // indirect
+	github.com/google/subcommands v1.0.2-0.20190508160503-636abe8753b8 // indirect
+	github.com/mdlayher/netlink v1.7.3-0.20250113171957-fbb4dce95f42 // indirect
+	github.com/moby/sys/capability v0.4.0 // indirect
+	github.com/mohae/deepcopy v0.0.0-20170308212314-bb9b5e7adda9 // indirect
+	github.com/vishvananda/netlink v1.3.1 // indirect
+	github.com/vishvananda/netns v0.0.5 // indirect
+	golang.org/x/exp v0.0.0-20250711185948-6ae5c78190dc // indirect
+	golang.org/x/mod v0.38.0 // indirect
+	golang.org/x/net v0.57.0 // indirect
+	golang.org/x/sync v0.22.0 // indirect
+	golang.org/x/time v0.15.0 // indirect
+	google.golang.org/protobuf v1.36.11 // indirect
+	gopkg.in/check.v1 v1.0.0-20201130134442-10cb98267c6c // indirect
+	gvisor.dev/gvisor v0.0.0-20260905035102-160fafc42237 // indirect
+	kernel.org/pub/linux/libs/security/libcap/psx v1.2.78 // indirect
+)
+
+tool gvisor.dev/gvisor/runsc

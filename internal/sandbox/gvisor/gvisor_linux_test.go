@@ -1,0 +1,184 @@
+package gvisor
+
+import (
+	"context"
+	"encoding/json"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"kiln/internal/sandbox"
+)
+
+// Tests that start boxes need root and a static runsc. They use, in order:
+// $KILN_RUNSC; the pinned runsc in kiln's cache; or, with
+// KILN_TEST_GVISOR=1, the pinned runsc built by EnsureRunsc (about a
+// minute with a warm module cache). The agent is $KILN_AGENT, or built from
+// ./cmd/kiln-agent.
+
+var (
+	agentOnce sync.Once
+	agentBin  string
+	agentErr  error
+)
+
+func testRunsc(tb testing.TB) string {
+	tb.Helper()
+	if os.Geteuid() != 0 {
+		tb.Skip("gvisor: needs root (runsc creates namespaces and cgroups)")
+	}
+	if p := os.Getenv("KILN_RUNSC"); p != "" {
+		return p
+	}
+	if p, err := CachedRunscPath(); err == nil {
+		if _, err := os.Stat(p); err == nil {
+			return p
+		}
+	}
+	if os.Getenv("KILN_TEST_GVISOR") != "1" {
+		tb.Skip("gvisor: no runsc (set KILN_RUNSC, or KILN_TEST_GVISOR=1 to build the pinned one, about a minute)")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	defer cancel()
+	p, err := EnsureRunsc(ctx, slog.New(slog.NewTextHandler(os.Stderr, nil)))
+	if err != nil {
+		tb.Fatalf("building runsc: %v", err)
+	}
+	return p
+}
+
+func testAgent(tb testing.TB) string {
+	tb.Helper()
+	if p := os.Getenv("KILN_AGENT"); p != "" {
+		return p
+	}
+	agentOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "kiln-agent-")
+		if err != nil {
+			agentErr = err
+			return
+		}
+		agentBin = filepath.Join(dir, "kiln-agent")
+		cmd := exec.Command("go", "build", "-o", agentBin, "kiln/cmd/kiln-agent")
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			agentErr = &buildError{err, string(out)}
+		}
+	})
+	if agentErr != nil {
+		tb.Fatalf("building kiln-agent: %v", agentErr)
+	}
+	return agentBin
+}
+
+type buildError struct {
+	err error
+	out string
+}
+
+func (e *buildError) Error() string { return e.err.Error() + ": " + e.out }
+
+func newTestBackend(tb testing.TB, opts Options) *Backend {
+	tb.Helper()
+	opts.Runsc = testRunsc(tb)
+	opts.Agent = testAgent(tb)
+	if opts.StateDir == "" {
+		opts.StateDir = tb.TempDir()
+	}
+	if testing.Verbose() {
+		opts.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	b, err := New(opts)
+	if err != nil {
+		tb.Fatalf("New: %v", err)
+	}
+	tb.Cleanup(func() {
+		if err := b.Close(); err != nil {
+			tb.Errorf("Close: %v", err)
+		}
+		assertNothingLeft(tb, b)
+	})
+	return b
+}
+
+// assertNothingLeft checks that no box of b left a process, mount, cgroup
+// or directory behind.
+func assertNothingLeft(tb testing.TB, b *Backend) {
+	tb.Helper()
+	if _, err := os.Stat(b.dir); err == nil {
+		tb.Errorf("state directory %s survives", b.dir)
+	}
+	if m, _ := mountsUnder(b.dir); len(m) > 0 {
+		tb.Errorf("mounts survive: %v", m)
+	}
+	for _, d := range cgroupDirs(cgroupParent) {
+		entries, _ := os.ReadDir(d)
+		for _, e := range entries {
+			if e.IsDir() && (strings.HasPrefix(e.Name(), "kiln-test") || strings.HasPrefix(e.Name(), "kiln-template-")) {
+				tb.Errorf("cgroup survives: %s/%s", d, e.Name())
+			}
+		}
+	}
+	out, _ := exec.Command("pgrep", "-f", b.dir).Output()
+	if s := strings.TrimSpace(string(out)); s != "" {
+		tb.Errorf("processes survive: %s", s)
+	}
+}
+
+func run(tb testing.TB, sb sandbox.Sandbox, code string) string {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	res, err := sb.RunPython(ctx, code, sandbox.ExecOptions{})
+	if err != nil {
+		tb.Fatalf("RunPython(%q): %v", code, err)
+	}
+	if res.Error != nil {
+		tb.Fatalf("RunPython(%q): %s: %s\n%s", code, res.Error.Name, res.Error.Value, res.Error.Traceback)
+	}
+	out := res.Stdout.Text
+	// Through JSON: the result's Go type is the agent's business.
+	var result map[string]string
+	if b, err := json.Marshal(res.Result); err == nil {
+		json.Unmarshal(b, &result)
+	}
+	out += result["text/plain"]
+	return out
+}
+
+func shell(tb testing.TB, sb sandbox.Sandbox, cmd string) *sandboxResult {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	res, err := sb.RunShell(ctx, cmd, sandbox.ExecOptions{})
+	if err != nil {
+		tb.Fatalf("RunShell(%q): %v", cmd, err)
+	}
+	return &sandboxResult{Out: res.Stdout.Text, Err: res.Stderr.Text, Code: res.ExitCode}
+}
+
+type sandboxResult struct {
+	Out, Err string
+	Code     int
+}
+
+func TestColdBox(t *testing.T) {
+	b := newTestBackend(t, Options{Cold: true})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	sb, err := b.Create(ctx, sandbox.Spec{ID: "test-cold"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sb.Close()
+	if got := run(t, sb, "print(2+2)"); strings.TrimSpace(got) != "4" {
+		t.Errorf("print(2+2) = %q", got)
+	}
+	r := shell(t, sb, "id; pwd; cat /proc/self/status | grep -i -E '^(cap|nonewpriv)'; ls /; cat /etc/passwd")
+	t.Logf("%+v", r)
+}
