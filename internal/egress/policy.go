@@ -144,6 +144,9 @@ func checkHostName(h string) error {
 		if label == "" || len(label) > 63 {
 			return errors.New("each label of a host name must have 1 to 63 characters")
 		}
+		if label[0] == '-' || label[len(label)-1] == '-' {
+			return errors.New("a label of a host name cannot begin or end with '-'")
+		}
 		for _, c := range []byte(label) {
 			ok := 'a' <= c && c <= 'z' || '0' <= c && c <= '9' || c == '-' || c == '_'
 			if !ok {

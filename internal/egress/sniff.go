@@ -68,10 +68,10 @@ func parseClientHello(b []byte) (name string, need int, err error) {
 // returns its server_name extension's host name.
 func clientHelloServerName(m []byte) (string, error) {
 	s := cursor{b: m}
-	s.skip(2 + 32)         // legacy_version, random
-	s.skip(int(s.u8()))    // legacy_session_id
-	s.skip(int(s.u16()))   // cipher_suites
-	s.skip(int(s.u8()))    // legacy_compression_methods
+	s.skip(2 + 32)             // legacy_version, random
+	s.skip(int(s.u8()))        // legacy_session_id
+	s.skip(int(s.u16()))       // cipher_suites
+	s.skip(int(s.u8()))        // legacy_compression_methods
 	if s.bad || s.len() == 0 { // no extensions at all
 		if s.bad {
 			return "", errNotClientHello
@@ -169,10 +169,10 @@ func sniffTLS(br *bufio.Reader) (string, error) {
 func sniffHTTP(br *bufio.Reader) (string, error) {
 	n := 1
 	for {
-		b, err := br.Peek(n)
-		if err != nil && len(b) < n {
+		if _, err := br.Peek(n); err != nil {
 			return "", fmt.Errorf("reading HTTP request head: %w", err)
 		}
+		b, _ := br.Peek(min(br.Buffered(), maxHTTPHeader))
 		if i := bytes.Index(b, []byte("\r\n\r\n")); i >= 0 {
 			req, err := http.ReadRequest(bufio.NewReader(bytes.NewReader(b[:i+4])))
 			if err != nil {
@@ -187,9 +187,9 @@ func sniffHTTP(br *bufio.Reader) (string, error) {
 			}
 			return strings.Trim(host, "[]"), nil
 		}
-		if n >= maxHTTPHeader {
+		if len(b) >= maxHTTPHeader {
 			return "", fmt.Errorf("HTTP request head: %w", errTooLarge)
 		}
-		n = min(max(br.Buffered(), n)+1, maxHTTPHeader)
+		n = min(len(b)+1, maxHTTPHeader)
 	}
 }
