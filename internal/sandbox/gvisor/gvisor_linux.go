@@ -237,6 +237,14 @@ func (b *Backend) restore(ctx context.Context, id string, s boxSpec, t *template
 	if err != nil {
 		return nil, bx.explain(fmt.Errorf("restoring gvisor box: %w", err))
 	}
+	if t.hello.Python != "" {
+		// Every box restored from one image starts with the same random
+		// state; draw fresh seeds from the (host) entropy source.
+		if _, err := conn.RunPython(ctx, reseedCell, sandbox.ExecOptions{MaxOutput: 4096}); err != nil {
+			conn.Close()
+			return nil, fmt.Errorf("reseeding restored box: %w", err)
+		}
+	}
 	b.log.Debug("box restored", "id", id, "container", cid, "template", t.key)
 	return conn, nil
 }

@@ -179,6 +179,39 @@ func TestColdBox(t *testing.T) {
 	if got := run(t, sb, "print(2+2)"); strings.TrimSpace(got) != "4" {
 		t.Errorf("print(2+2) = %q", got)
 	}
+	if out, _ := exec.Command("pgrep", "-f", b.dir).Output(); len(out) == 0 {
+		t.Errorf("no host process of the box matches %s: the leftover check is blind", b.dir)
+	}
 	r := shell(t, sb, "id; pwd; cat /proc/self/status | grep -i -E '^(cap|nonewpriv)'; ls /; cat /etc/passwd")
 	t.Logf("%+v", r)
+}
+
+// TestRestoredBoxesAreIndependent checks that boxes restored from one
+// template do not share random state, files or each other's writes.
+func TestRestoredBoxesAreIndependent(t *testing.T) {
+	b := newTestBackend(t, Options{})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	spec := sandbox.Spec{Preload: []string{"numpy"}}
+	if err := b.Warm(ctx, spec); err != nil {
+		t.Fatalf("Warm: %v", err)
+	}
+	var outs []string
+	for i := range 2 {
+		spec.ID = "test-indep-" + string(rune('a'+i))
+		sb, err := b.Create(ctx, spec)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer sb.Close()
+		out := run(t, sb, "import random, os, numpy\nprint(random.random(), numpy.random.rand(), os.listdir('/work'))\nopen('/work/mine', 'w').write('x')")
+		t.Logf("box %d: %s", i, out)
+		outs = append(outs, out)
+	}
+	if outs[0] == outs[1] {
+		t.Errorf("two restored boxes drew the same random numbers: %q", outs[0])
+	}
+	if strings.Contains(outs[1], "mine") {
+		t.Errorf("the second box sees the first one's file: %q", outs[1])
+	}
 }

@@ -70,6 +70,12 @@ type hostDir struct{ Path string }
 // the gVisor kernel enforces.
 const hostPidsSlack = 256
 
+// sentryMemSlack is added to the box's memory limit for the host cgroup,
+// which is charged for the gVisor kernel's own memory as well as the box's.
+// gVisor has no OOM killer of its own: a box that goes over its cgroup
+// limit dies whole (the host kills the sandbox process).
+const sentryMemSlack = 64 << 20
+
 // buildSpec returns the OCI spec of a box. Everything that is not the same
 // for two boxes of the same template (cgroup path, resources) is allowed by
 // runsc to differ between checkpoint and restore.
@@ -100,7 +106,7 @@ func buildSpec(c boxConfig) *specs.Spec {
 	period := uint64(100000)
 	quota := int64(l.CPUs * float64(period))
 	pids := int64(l.Pids) + hostPidsSlack
-	mem := l.MemoryBytes
+	mem := l.MemoryBytes + sentryMemSlack
 	return &specs.Spec{
 		Version: specs.Version,
 		Process: &specs.Process{
@@ -142,6 +148,24 @@ func buildSpec(c boxConfig) *specs.Spec {
 		},
 	}
 }
+
+// reseedCell runs in the kernel of every restored box: boxes restored from
+// one checkpoint share their memory, so the random generators seeded while
+// the template imported its libraries would draw the same numbers in every
+// box. It runs in a namespace of its own and leaves no names behind.
+// (Python's str hash seed stays shared; it cannot change in a live process.)
+const reseedCell = `exec("""
+import sys
+r = sys.modules.get("random")
+if r is not None:
+    r.seed()
+np = sys.modules.get("numpy")
+if np is not None:
+    np.random.seed()
+tf = sys.modules.get("tempfile")
+if tf is not None:
+    tf._name_sequence = None
+""", {})`
 
 // templateKey names the checkpoint a box can be restored from: the parts of
 // its spec runsc requires to be equal on both sides (it lets the root path,
