@@ -402,10 +402,8 @@ func (b *Backend) prepareState() error {
 		return fmt.Errorf("creating gvisor state directory: %w", err)
 	}
 	b.sweep(base)
-	b.dir = filepath.Join(base, strconv.Itoa(os.Getpid()))
-	if err := removeState(b.dir); err != nil { // a previous process with our pid
-		return err
-	}
+	// One directory per backend: a process may hold several.
+	b.dir = filepath.Join(base, strconv.Itoa(os.Getpid())+"-"+randSuffix())
 	if err := os.MkdirAll(b.dir, 0o700); err != nil {
 		return fmt.Errorf("creating gvisor state directory: %w", err)
 	}
@@ -422,16 +420,26 @@ func (b *Backend) sweep(base string) {
 		return
 	}
 	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil || !e.IsDir() || pid == os.Getpid() {
+		if !e.IsDir() {
 			continue
 		}
 		dir := filepath.Join(base, e.Name())
-		owner, _ := os.ReadFile(filepath.Join(dir, "owner"))
-		if len(owner) > 0 && string(owner) == processStamp(pid) {
-			continue // still alive
+		owner, err := os.ReadFile(filepath.Join(dir, "owner"))
+		if errors.Is(err, fs.ErrNotExist) {
+			// Being created right now, or its owner died before writing
+			// it: judge by the pid in the name.
+			pidStr, _, _ := strings.Cut(e.Name(), "-")
+			if pid, err := strconv.Atoi(pidStr); err == nil && processStamp(pid) != "" {
+				continue
+			}
+		} else if err != nil {
+			continue
+		} else if pidStr, _, _ := strings.Cut(string(owner), " "); pidStr != "" {
+			if pid, err := strconv.Atoi(pidStr); err == nil && processStamp(pid) == string(owner) {
+				continue // its owner lives
+			}
 		}
-		b.log.Info("destroying boxes left by a dead kiln process", "pid", pid, "dir", dir)
+		b.log.Info("destroying boxes left by a dead kiln process", "dir", dir)
 		b.sweepDir(dir)
 	}
 }

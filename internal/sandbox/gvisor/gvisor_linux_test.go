@@ -215,3 +215,69 @@ func TestRestoredBoxesAreIndependent(t *testing.T) {
 		t.Errorf("the second box sees the first one's file: %q", outs[1])
 	}
 }
+
+// TestTeardown checks that nothing outlives a box however it ends: a
+// Create whose context ends before the hello, a box whose agent is killed
+// from inside, and boxes still open when the backend closes (the cleanup of
+// newTestBackend looks for processes, mounts, cgroups and directories).
+func TestTeardown(t *testing.T) {
+	b := newTestBackend(t, Options{Cold: true})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Millisecond)
+	if _, err := b.Create(ctx, sandbox.Spec{ID: "test-late"}); err == nil {
+		t.Error("Create with an expired context succeeded")
+	}
+	cancel()
+	if n := len(b.boxes); n != 0 {
+		t.Errorf("%d boxes left after a failed Create", n)
+	}
+
+	ctx, cancel = context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	sb, err := b.Create(ctx, sandbox.Spec{ID: "test-suicide"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sb.RunShell(ctx, "kill -9 1", sandbox.ExecOptions{})
+	select {
+	case <-sb.Done():
+	case <-ctx.Done():
+		t.Fatal("the box did not die with its agent")
+	}
+	if err := sb.Close(); err != nil {
+		t.Errorf("Close of a dead box: %v", err)
+	}
+	for i := range 2 {
+		if _, err := b.Create(ctx, sandbox.Spec{ID: "test-open-" + string(rune('a'+i))}); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestSweep: a new backend destroys the boxes of a kiln process that died.
+func TestSweep(t *testing.T) {
+	state := t.TempDir()
+	dead := newTestBackend(t, Options{Cold: true, StateDir: state})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	sb, err := dead.Create(ctx, sandbox.Spec{ID: "test-orphan"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Pretend its owner died: the stamp no longer matches a live process.
+	if err := os.WriteFile(filepath.Join(dead.dir, "owner"), []byte("1 0"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	fresh := newTestBackend(t, Options{Cold: true, StateDir: state})
+	_ = fresh
+	select {
+	case <-sb.Done():
+	case <-ctx.Done():
+		t.Fatal("the orphaned box still runs after the sweep")
+	}
+	if _, err := os.Stat(dead.dir); err == nil {
+		t.Errorf("the dead process's state survives the sweep")
+	}
+	if out, _ := exec.Command("pgrep", "-f", dead.dir).Output(); len(out) > 0 {
+		t.Errorf("processes survive the sweep: %s", out)
+	}
+}
