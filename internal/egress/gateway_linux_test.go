@@ -398,7 +398,7 @@ func (w *world) newBox(t *testing.T, session string, policy ...string) *box {
 func (b *box) exec(t *testing.T, env []string, name string, args ...string) (string, error) {
 	t.Helper()
 	cmd := exec.Command("ip", append([]string{"netns", "exec", b.name, name}, args...)...)
-	cmd.Env = append([]string{"PATH=/usr/local/bin:/usr/bin:/bin", "HOME=" + t.TempDir()}, env...)
+	cmd.Env = append([]string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=" + t.TempDir()}, env...)
 	out, err := cmd.CombinedOutput()
 	t.Logf("box$ %s %s\n%s", name, strings.Join(args, " "), out)
 	return string(out), err
@@ -797,7 +797,7 @@ func TestManyBoxesAndClose(t *testing.T) {
 		t.Errorf("after Close box links = %v, want only lo", links)
 	}
 	out, err := b.exec(t, nil, "nft", "list", "ruleset")
-	if err == nil && strings.Contains(out, boxTable) {
+	if err != nil || strings.Contains(out, boxTable) {
 		t.Errorf("box firewall left behind:\n%s", out)
 	}
 	wantPrefix(t, b.fetch(t, nil, "http://web.test/"), "ERR")
@@ -821,6 +821,11 @@ func TestBoxCannotSpoofAnotherBox(t *testing.T) {
 	w := newWorld(t)
 	victim := w.newBox(t, "s-victim", "pypi.test")
 	attacker := w.newBox(t, "s-attacker", "web.test")
+	// The attacker's own policy refuses pypi.test. (This also settles the
+	// attacker's neighbour entry for the gateway: an ARP request sent
+	// from the spoofed address gets no answer either.)
+	out0, _ := attacker.curl(t, nil, "--resolve", "pypi.test:80:"+w.webAddr.String(), "http://pypi.test/simple/kilnprobe/")
+	wantContains(t, out0, "refused by policy")
 	// Give the attacker the victim's address too and send from it.
 	h, err := netlink.NewHandleAt(attacker.ns)
 	if err != nil {
@@ -834,8 +839,18 @@ func TestBoxCannotSpoofAnotherBox(t *testing.T) {
 	if err := h.AddrAdd(eth, &netlink.Addr{IPNet: hostNet(victim.att.Addr())}); err != nil {
 		t.Fatal(err)
 	}
-	out, _ := attacker.curl(t, nil, "--interface", victim.att.Addr().String(), "--connect-timeout", "3", "http://pypi.test/simple/kilnprobe/")
-	if strings.Contains(out, "kilnprobe") {
-		t.Errorf("attacker reached pypi.test with the victim's address: %q", out)
+	out, code := attacker.curl(t, nil, "--interface", victim.att.Addr().String(), "--connect-timeout", "3",
+		"--resolve", "pypi.test:80:"+w.webAddr.String(), "http://pypi.test/simple/kilnprobe/")
+	if strings.Contains(out, "kilnprobe") || code == 0 {
+		t.Errorf("attacker reached pypi.test with the victim's address: %d %q", code, out)
 	}
+	if strings.Contains(w.logs.String(), `"session":"s-victim","via"`) {
+		t.Error("the gateway attributed the attacker's traffic to the victim")
+	}
+	// Back on its own address, the attacker is still refused.
+	if err := h.AddrDel(eth, &netlink.Addr{IPNet: hostNet(victim.att.Addr())}); err != nil {
+		t.Fatal(err)
+	}
+	out, _ = attacker.curl(t, nil, "--resolve", "pypi.test:80:"+w.webAddr.String(), "http://pypi.test/simple/kilnprobe/")
+	wantContains(t, out, "refused by policy")
 }
