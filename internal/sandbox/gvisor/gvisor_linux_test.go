@@ -171,6 +171,12 @@ func TestColdBox(t *testing.T) {
 	b := newTestBackend(t, Options{Cold: true})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
+	if err := b.Check(ctx); err != nil {
+		t.Errorf("Check: %v", err)
+	}
+	if i := b.Info(); i.Version != RunscVersion && os.Getenv("KILN_RUNSC") == "" || i.Platform != "systrap" {
+		t.Errorf("Info: %+v", i)
+	}
 	sb, err := b.Create(ctx, sandbox.Spec{ID: "test-cold"})
 	if err != nil {
 		t.Fatal(err)

@@ -1,6 +1,7 @@
 package gvisor
 
 import (
+	"context"
 	"errors"
 	"os"
 	"os/exec"
@@ -11,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 
@@ -186,5 +188,37 @@ func TestContainerID(t *testing.T) {
 		if got := containerID(id); !ok.MatchString(got) || strings.Contains(got, "/") {
 			t.Errorf("containerID(%q) = %q", id, got)
 		}
+	}
+}
+
+// TestEnsureRunsc builds (or finds) the pinned runsc and checks it is static
+// and says its version. It is also how CI and make build runsc:
+//
+//	KILN_TEST_GVISOR=1 go test ./internal/sandbox/gvisor -run TestEnsureRunsc
+func TestEnsureRunsc(t *testing.T) {
+	if runtime.GOOS != "linux" {
+		t.Skip("runsc runs on Linux only")
+	}
+	path, err := CachedRunscPath()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(path); err != nil && os.Getenv("KILN_TEST_GVISOR") != "1" {
+		t.Skip("no cached runsc; set KILN_TEST_GVISOR=1 to build it (about a minute)")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	defer cancel()
+	got, err := EnsureRunsc(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got != path {
+		t.Errorf("EnsureRunsc = %s, want %s", got, path)
+	}
+	if err := CheckStatic(got); err != nil {
+		t.Error(err)
+	}
+	if v, err := runscVersion(ctx, got); err != nil || v != RunscVersion {
+		t.Errorf("runsc --version = %q, %v; want %s", v, err, RunscVersion)
 	}
 }
