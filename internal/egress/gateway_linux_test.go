@@ -854,3 +854,37 @@ func TestBoxCannotSpoofAnotherBox(t *testing.T) {
 	out, _ = attacker.curl(t, nil, "--resolve", "pypi.test:80:"+w.webAddr.String(), "http://pypi.test/simple/kilnprobe/")
 	wantContains(t, out, "refused by policy")
 }
+
+// BenchmarkAttach measures wiring a fresh box namespace to the gateway and
+// removing it again: the network cost of a per-call box.
+func BenchmarkAttach(b *testing.B) {
+	if os.Geteuid() != 0 {
+		b.Skip("skipping: needs root to create network namespaces")
+	}
+	gw, err := NewGateway(Options{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer gw.Close()
+	policy := MustParsePolicy("pypi.org", "*.pythonhosted.org")
+	var attach, detach time.Duration
+	for b.Loop() {
+		ns, err := newNetNS()
+		if err != nil {
+			b.Fatal(err)
+		}
+		t0 := time.Now()
+		a, err := gw.attachNS(context.Background(), ns, BoxInfo{Session: "bench", Policy: policy})
+		if err != nil {
+			b.Fatal(err)
+		}
+		t1 := time.Now()
+		if err := a.Close(); err != nil {
+			b.Fatal(err)
+		}
+		attach += t1.Sub(t0)
+		detach += time.Since(t1)
+	}
+	b.ReportMetric(float64(attach.Microseconds())/float64(b.N), "attach-µs/op")
+	b.ReportMetric(float64(detach.Microseconds())/float64(b.N), "close-µs/op")
+}
