@@ -64,7 +64,7 @@ type Response struct {
 type ExecResult struct {
 	Stdout    Stream       `json:"stdout"`
 	Stderr    Stream       `json:"stderr"`
-	Result    *MimeBundle  `json:"result,omitempty"`  // the cell's last expression
+	Result    MimeBundle   `json:"result,omitempty"`   // the cell's last expression
 	Displays  []MimeBundle `json:"displays,omitempty"` // display() calls and figures, in order
 	Error     *ExecError   `json:"error,omitempty"`
 	ExitCode  int          `json:"exit_code"`
@@ -75,7 +75,8 @@ type ExecResult struct {
 // Stream is captured output, capped by keeping its head and tail.
 type Stream struct {
 	Text  string `json:"text"`
-	Total int64  `json:"total"` // bytes produced, including dropped ones
+	Total int64  `json:"total"`         // bytes produced, including dropped ones
+	Cut   int    `json:"cut,omitempty"` // offset in Text where dropped bytes were
 }
 
 // Truncated reports how many bytes were dropped from the middle.

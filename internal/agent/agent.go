@@ -1,0 +1,265 @@
+// Package agent is kiln-agent: the first process of every sandbox. It speaks
+// the agentproto protocol with the host over one byte stream, runs cells in
+// a persistent Python kernel, runs shell commands, and reads and writes
+// files under the workspace. It runs inside the box and never imports
+// host-side code.
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"sync"
+	"syscall"
+	"time"
+
+	"kiln/internal/agentproto"
+)
+
+const (
+	defaultMaxOutput = 20000
+	sentinelWait     = 2 * time.Second
+	// ProtocolVersion is sent in Hello.
+	ProtocolVersion = 1
+)
+
+var timeAfter = time.After
+
+// Config is how the agent was started.
+type Config struct {
+	Workspace string   // the workspace root, e.g. /work
+	Python    string   // python3 to run the kernel with; "" for none
+	Preload   []string // modules the kernel imports before Hello
+	// UID and GID run code as this user when the agent itself runs as root
+	// (a microVM guest). -1 keeps the agent's own user.
+	UID, GID int
+	Logger   *slog.Logger
+}
+
+// Agent serves one host connection.
+type Agent struct {
+	cfg *Config
+	log *slog.Logger
+
+	wmu sync.Mutex
+	w   io.Writer
+
+	kmu    sync.Mutex // held while a cell runs; cells are serialized
+	kref   sync.Mutex // guards kernel
+	kernel *pyKernel  // nil until started, or after it died
+
+	smu    sync.Mutex
+	shells map[*exec.Cmd]struct{}
+}
+
+// New returns an agent; call Serve.
+func New(cfg Config) *Agent {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	if cfg.Workspace == "" {
+		cfg.Workspace = "/work"
+	}
+	return &Agent{cfg: &cfg, log: cfg.Logger, shells: make(map[*exec.Cmd]struct{})}
+}
+
+// Serve starts the kernel, says hello, and answers requests on rw until it
+// closes.
+func (a *Agent) Serve(r io.Reader, w io.Writer) error {
+	a.w = w
+	hello := agentproto.Hello{Version: ProtocolVersion}
+	if a.cfg.Python != "" {
+		k, err := startKernel(a.cfg)
+		if err != nil {
+			a.log.Warn("python kernel unavailable", "err", err)
+		} else {
+			a.kernel = k
+			hello.Python = k.hello.Python
+			hello.Preloaded = k.hello.Preloaded
+		}
+	}
+	if err := a.send(&hello); err != nil {
+		return fmt.Errorf("sending hello: %w", err)
+	}
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	for {
+		var req agentproto.Request
+		if err := agentproto.ReadFrame(r, &req); err != nil {
+			a.shutdown()
+			if errors.Is(err, io.EOF) {
+				return nil
+			}
+			return fmt.Errorf("reading request: %w", err)
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			resp := a.handle(&req)
+			resp.ID = req.ID
+			if err := a.send(resp); err != nil {
+				a.log.Warn("sending response", "err", err)
+			}
+		}()
+	}
+}
+
+func (a *Agent) send(v any) error {
+	a.wmu.Lock()
+	defer a.wmu.Unlock()
+	err := agentproto.WriteFrame(a.w, v)
+	if errors.Is(err, agentproto.ErrFrameTooLarge) {
+		if resp, ok := v.(*agentproto.Response); ok {
+			return agentproto.WriteFrame(a.w, &agentproto.Response{ID: resp.ID, Error: "the result is larger than the protocol allows"})
+		}
+	}
+	return err
+}
+
+func (a *Agent) handle(req *agentproto.Request) *agentproto.Response {
+	var (
+		resp = &agentproto.Response{}
+		err  error
+	)
+	switch req.Op {
+	case agentproto.OpPython:
+		resp.Exec, err = a.runPython(req.Code, req.MaxOutput)
+	case agentproto.OpShell:
+		resp.Exec, err = a.runShell(req.Code, req.MaxOutput)
+	case agentproto.OpInterrupt:
+		a.interrupt()
+	case agentproto.OpWrite:
+		err = a.writeFile(req.Path, req.Data)
+	case agentproto.OpRead:
+		resp.Data, resp.Size, err = a.readFile(req.Path, req.MaxBytes)
+	case agentproto.OpList:
+		resp.Files, err = a.listFiles(req.Path)
+	case agentproto.OpChanges:
+		resp.Files, err = a.changes(time.Unix(0, req.Since))
+	case agentproto.OpPing:
+	default:
+		err = fmt.Errorf("unknown operation %q", req.Op)
+	}
+	if err != nil {
+		resp.Error = err.Error()
+	}
+	return resp
+}
+
+func (a *Agent) runPython(code string, maxOutput int) (*agentproto.ExecResult, error) {
+	a.kmu.Lock()
+	defer a.kmu.Unlock()
+	if a.cfg.Python == "" {
+		return nil, errors.New("python is not available in this sandbox")
+	}
+	k := a.currentKernel()
+	if k == nil {
+		var err error
+		if k, err = startKernel(a.cfg); err != nil {
+			return nil, err
+		}
+		a.setKernel(k)
+	}
+	res, err := k.run(code, maxOutput)
+	if errors.Is(err, errKernelDied) {
+		k.kill()
+		a.setKernel(nil) // the next cell starts a new one
+		return res, nil
+	}
+	return res, err
+}
+
+func (a *Agent) currentKernel() *pyKernel {
+	a.kref.Lock()
+	defer a.kref.Unlock()
+	return a.kernel
+}
+
+func (a *Agent) setKernel(k *pyKernel) {
+	a.kref.Lock()
+	a.kernel = k
+	a.kref.Unlock()
+}
+
+func (a *Agent) interrupt() {
+	a.smu.Lock()
+	for cmd := range a.shells {
+		interruptGroup(cmd)
+	}
+	a.smu.Unlock()
+	if k := a.currentKernel(); k != nil {
+		k.interrupt() // only signals when a cell is running
+	}
+}
+
+func (a *Agent) shutdown() {
+	a.smu.Lock()
+	for cmd := range a.shells {
+		if cmd.Process != nil {
+			syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		}
+	}
+	a.smu.Unlock()
+	if k := a.currentKernel(); k != nil {
+		k.kill()
+	}
+}
+
+// childEnv is the environment of the kernel and of shell commands: the
+// agent's own (the backend gave it a clean one) with the basics filled in.
+func childEnv(cfg *Config) []string {
+	env := os.Environ()
+	defaults := map[string]string{
+		"PATH":                    "/usr/local/bin:/usr/bin:/bin",
+		"HOME":                    cfg.Workspace,
+		"LANG":                    "C.UTF-8",
+		"MPLBACKEND":              "Agg",
+		"MPLCONFIGDIR":            "/tmp/.matplotlib",
+		"TERM":                    "dumb",
+		"PYTHONDONTWRITEBYTECODE": "1",
+	}
+	for _, kv := range env {
+		for k := range defaults {
+			if len(kv) > len(k) && kv[:len(k)+1] == k+"=" {
+				delete(defaults, k)
+			}
+		}
+	}
+	for k, v := range defaults {
+		env = append(env, k+"="+v)
+	}
+	return env
+}
+
+func childAttr(cfg *Config) *syscall.SysProcAttr {
+	attr := &syscall.SysProcAttr{Setpgid: true}
+	if os.Getuid() == 0 && cfg.UID >= 0 {
+		attr.Credential = &syscall.Credential{Uid: uint32(cfg.UID), Gid: uint32(cfg.GID), NoSetGroups: true}
+	}
+	return attr
+}
+
+func unixSignalName(s syscall.Signal) string {
+	switch s {
+	case syscall.SIGKILL:
+		return "SIGKILL"
+	case syscall.SIGTERM:
+		return "SIGTERM"
+	case syscall.SIGINT:
+		return "SIGINT"
+	case syscall.SIGSEGV:
+		return "SIGSEGV"
+	case syscall.SIGABRT:
+		return "SIGABRT"
+	case syscall.SIGXCPU:
+		return "SIGXCPU"
+	case syscall.SIGXFSZ:
+		return "SIGXFSZ"
+	case syscall.SIGBUS:
+		return "SIGBUS"
+	}
+	return fmt.Sprintf("signal %d", int(s))
+}

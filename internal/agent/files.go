@@ -1,0 +1,182 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path"
+	"strings"
+	"syscall"
+	"time"
+
+	"kiln/internal/agentproto"
+)
+
+const (
+	maxListEntries = 1000
+	maxWriteBytes  = 32 << 20
+)
+
+// Every file operation goes through an os.Root opened on the workspace: the
+// kernel-checked walk refuses absolute symlinks, ".." and symlinks that
+// lead out of the workspace, whatever the box planted there.
+
+// open resolves p (see splitPath) to a path relative to the workspace root.
+func (a *Agent) open(p string) (*os.Root, string, error) {
+	parts, err := splitPath(a.cfg.Workspace, p)
+	if err != nil {
+		return nil, "", err
+	}
+	root, err := os.OpenRoot(a.cfg.Workspace)
+	if err != nil {
+		return nil, "", fmt.Errorf("opening workspace: %w", err)
+	}
+	if len(parts) == 0 {
+		return root, ".", nil
+	}
+	return root, strings.Join(parts, "/"), nil
+}
+
+func pathErr(p string, err error) error {
+	var pe *fs.PathError
+	if errors.As(err, &pe) {
+		err = pe.Err
+	}
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return fmt.Errorf("%s: no such file or directory", p)
+	case errors.Is(err, fs.ErrPermission):
+		return fmt.Errorf("%s: permission denied", p)
+	case errors.Is(err, syscall.ENOSPC), errors.Is(err, syscall.EDQUOT):
+		return fmt.Errorf("%s: the workspace is full", p)
+	case errors.Is(err, syscall.ENOTDIR):
+		return fmt.Errorf("%s: a parent is not a directory", p)
+	case strings.Contains(err.Error(), "escapes from parent"), errors.Is(err, syscall.ELOOP):
+		return fmt.Errorf("%w: %s (a symlink or .. leads out of it)", ErrOutsideWorkspace, p)
+	}
+	return fmt.Errorf("%s: %v", p, err)
+}
+
+// chown gives a file the agent made to the code's user, when the agent runs
+// as root (a microVM guest) and code runs as someone else.
+func (a *Agent) chown(root *os.Root, rel string) {
+	if os.Getuid() == 0 && a.cfg.UID > 0 {
+		root.Lchown(rel, a.cfg.UID, a.cfg.GID)
+	}
+}
+
+func (a *Agent) writeFile(p string, data []byte) error {
+	if len(data) > maxWriteBytes {
+		return fmt.Errorf("file is larger than %d bytes", maxWriteBytes)
+	}
+	root, rel, err := a.open(p)
+	if err != nil {
+		return err
+	}
+	defer root.Close()
+	if rel == "." {
+		return errors.New("path names the workspace itself, not a file")
+	}
+	if dir := path.Dir(rel); dir != "." {
+		if err := root.MkdirAll(dir, 0o755); err != nil {
+			return pathErr(p, err)
+		}
+		for d := dir; d != "."; d = path.Dir(d) {
+			a.chown(root, d)
+		}
+	}
+	if err := root.WriteFile(rel, data, 0o644); err != nil {
+		return pathErr(p, err)
+	}
+	a.chown(root, rel)
+	return nil
+}
+
+func (a *Agent) readFile(p string, max int64) ([]byte, int64, error) {
+	root, rel, err := a.open(p)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer root.Close()
+	f, err := root.OpenFile(rel, os.O_RDONLY|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, 0, pathErr(p, err)
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, 0, pathErr(p, err)
+	}
+	if st.IsDir() {
+		return nil, 0, fmt.Errorf("%s: is a directory; use list_files", p)
+	}
+	if !st.Mode().IsRegular() {
+		return nil, 0, fmt.Errorf("%s: not a regular file", p)
+	}
+	if max <= 0 || max > st.Size() {
+		max = st.Size()
+	}
+	data, err := io.ReadAll(io.LimitReader(f, max))
+	if err != nil {
+		return nil, 0, pathErr(p, err)
+	}
+	return data, st.Size(), nil
+}
+
+// listFiles lists the tree under p, up to maxListEntries entries.
+func (a *Agent) listFiles(p string) ([]agentproto.FileInfo, error) {
+	root, rel, err := a.open(p)
+	if err != nil {
+		return nil, err
+	}
+	defer root.Close()
+	if st, err := root.Lstat(rel); err != nil {
+		return nil, pathErr(p, err)
+	} else if !st.IsDir() {
+		return []agentproto.FileInfo{fileInfo(rel, st)}, nil
+	}
+	out := []agentproto.FileInfo{}
+	err = fs.WalkDir(root.FS(), rel, func(name string, d fs.DirEntry, err error) error {
+		if err != nil || name == rel {
+			return nil
+		}
+		if len(out) >= maxListEntries {
+			return fs.SkipAll
+		}
+		if info, err := d.Info(); err == nil {
+			out = append(out, fileInfo(name, info))
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, pathErr(p, err)
+	}
+	return out, nil
+}
+
+// changes lists regular files under the workspace modified at or after since.
+func (a *Agent) changes(since time.Time) ([]agentproto.FileInfo, error) {
+	all, err := a.listFiles("")
+	if err != nil {
+		return nil, err
+	}
+	var out []agentproto.FileInfo
+	for _, f := range all {
+		if !f.Dir && !f.Symlink && f.ModNano >= since.UnixNano() {
+			out = append(out, f)
+		}
+	}
+	return out, nil
+}
+
+func fileInfo(p string, info fs.FileInfo) agentproto.FileInfo {
+	return agentproto.FileInfo{
+		Path:    p,
+		Size:    info.Size(),
+		Dir:     info.IsDir(),
+		Symlink: info.Mode()&fs.ModeSymlink != 0,
+		ModNano: info.ModTime().UnixNano(),
+	}
+}

@@ -1,0 +1,56 @@
+package agent
+
+import (
+	"os"
+	"os/exec"
+	"os/signal"
+	"syscall"
+)
+
+// Environment variables between the PID 1 reaper and the agent it starts.
+const (
+	ChildEnv  = "KILN_AGENT_CHILD"  // set in the child: do not reap, serve
+	StreamEnv = "KILN_AGENT_STREAM" // a device to speak the protocol on instead of stdin/stdout
+)
+
+// Reap runs the agent as a child of PID 1 and reaps every process of the
+// box until that child exits, whose exit status it returns. Orphans
+// re-parent to PID 1, so without this they would stay zombies.
+func Reap(streamPath string) int {
+	sigs := make(chan os.Signal, 8)
+	signal.Notify(sigs, syscall.SIGCHLD, syscall.SIGTERM, syscall.SIGINT)
+	self, err := os.Executable()
+	if err != nil {
+		self = "/proc/self/exe"
+	}
+	cmd := exec.Command(self, os.Args[1:]...)
+	cmd.Env = append(os.Environ(), ChildEnv+"=1")
+	if streamPath != "" {
+		cmd.Env = append(cmd.Env, StreamEnv+"="+streamPath)
+	}
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
+	if err := cmd.Start(); err != nil {
+		os.Stderr.WriteString("kiln-agent: starting agent: " + err.Error() + "\n")
+		return 1
+	}
+	child := cmd.Process.Pid
+	for sig := range sigs {
+		if sig != syscall.SIGCHLD {
+			syscall.Kill(child, syscall.SIGKILL)
+		}
+		for {
+			var ws syscall.WaitStatus
+			pid, err := syscall.Wait4(-1, &ws, syscall.WNOHANG, nil)
+			if pid <= 0 || err != nil {
+				break
+			}
+			if pid == child {
+				if ws.Signaled() {
+					return 128 + int(ws.Signal())
+				}
+				return ws.ExitStatus()
+			}
+		}
+	}
+	return 0
+}

@@ -1,0 +1,44 @@
+// Package jail is kiln's embedded default backend: each box is a process
+// tree in fresh user, mount, pid, network, ipc, uts and cgroup namespaces,
+// with a read-only view of the host's runtime, size-capped tmpfs workspace
+// and /tmp, only loopback networking, an unprivileged user with no
+// capabilities and no_new_privs, Landlock, a seccomp filter, rlimits and
+// cgroup limits (v1 or v2). Its first process is kiln-agent.
+package jail
+
+import (
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+)
+
+// Options configure the backend. Zero values mean defaults.
+type Options struct {
+	// Agent is the path of the kiln-agent binary. Default: next to the
+	// running executable, then $PATH.
+	Agent string
+	// Self is the binary re-executed as the box init (it must call
+	// MaybeInit first thing). Default: the running executable.
+	Self string
+	// Python is the interpreter inside the box. Default /usr/bin/python3.
+	Python string
+	// StateDir holds per-box mount points. Default: os.TempDir()/kiln-jail.
+	StateDir string
+	// Env is added to every box's environment (proxy settings, say).
+	Env        []string
+	ResolvConf string
+	Logger     *slog.Logger
+}
+
+// FindAgent looks for kiln-agent next to the running executable, then in
+// $PATH.
+func FindAgent() (string, error) {
+	if exe, err := os.Executable(); err == nil {
+		p := filepath.Join(filepath.Dir(exe), "kiln-agent")
+		if _, err := os.Stat(p); err == nil {
+			return p, nil
+		}
+	}
+	return exec.LookPath("kiln-agent")
+}

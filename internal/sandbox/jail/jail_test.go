@@ -1,0 +1,104 @@
+package jail_test
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/jail"
+	"kiln/internal/sandbox/sandboxtest"
+)
+
+func TestMain(m *testing.M) {
+	jail.MaybeInit()
+	os.Exit(m.Run())
+}
+
+func newBackend(t testing.TB) *jail.Backend {
+	t.Helper()
+	if os.Getuid() != 0 {
+		t.Skip("the jail tests need root (user namespaces with a uid range, cgroups)")
+	}
+	agent := sandboxtest.BuildAgent(t)
+	b, err := jail.New(jail.Options{Agent: agent})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func TestConformance(t *testing.T) {
+	sandboxtest.RunWith(t, newBackend(t), sandboxtest.Options{HostProcesses: true})
+}
+
+// TestSeccompVictims runs each denied operation in a box and sees it refused.
+func TestSeccompVictims(t *testing.T) {
+	b := newBackend(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	box, err := b.Create(ctx, sandbox.Spec{ID: "victims"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer box.Close()
+	victims := map[string]string{
+		"unshare user ns":  "import os; os.unshare(os.CLONE_NEWUSER)",
+		"unshare net ns":   "import os; os.unshare(os.CLONE_NEWNET)",
+		"mount":            "import ctypes; l=ctypes.CDLL(None,use_errno=True); r=l.mount(b'none',b'/tmp',b'tmpfs',0,None); assert r==0, ctypes.get_errno()",
+		"ptrace":           "import ctypes; l=ctypes.CDLL(None,use_errno=True); r=l.ptrace(16,1,0,0); assert r==0, ctypes.get_errno()",
+		"raw socket":       "import socket; socket.socket(socket.AF_INET, socket.SOCK_RAW, 1)",
+		"packet socket":    "import socket; socket.socket(17, socket.SOCK_RAW, 0)",
+		"bpf":              "import ctypes; l=ctypes.CDLL(None,use_errno=True); r=l.syscall(321,0,0,0); assert r==0, ctypes.get_errno()",
+		"keyctl":           "import ctypes; l=ctypes.CDLL(None,use_errno=True); r=l.syscall(250,0,0,0); assert r>=0, ctypes.get_errno()",
+		"chroot":           "import os; os.chroot('/tmp')",
+		"setuid root":      "import os; os.setuid(0)",
+		"write /usr":       "open('/usr/kiln-test','w')",
+		"write /etc":       "open('/etc/kiln-test','w')",
+		"write /proc/sys":  "open('/proc/sys/kernel/hostname','w').write('x')",
+		"sysrq":            "open('/proc/sysrq-trigger','w').write('b')",
+		"mknod":            "import os, stat; os.mknod('/tmp/sda', stat.S_IFBLK|0o600, os.makedev(8,0))",
+	}
+	for name, code := range victims {
+		t.Run(name, func(t *testing.T) {
+			res, err := box.RunPython(ctx, code, sandbox.ExecOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Error == nil {
+				t.Errorf("%s succeeded in the box", name)
+			}
+		})
+	}
+	// Threads and subprocesses still work: clone3 falls back to clone.
+	res, err := box.RunPython(ctx, "import subprocess, threading\nt=threading.Thread(target=print); t.start(); t.join()\nsubprocess.run(['true']).returncode", sandbox.ExecOptions{})
+	if err != nil || res.Error != nil || res.Result["text/plain"] != "0" {
+		t.Errorf("threads/subprocess: %v %+v", err, res)
+	}
+}
+
+func TestNotRootOnHost(t *testing.T) {
+	b := newBackend(t)
+	ctx := context.Background()
+	box, err := b.Create(ctx, sandbox.Spec{ID: "whoami"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer box.Close()
+	res, err := box.RunShell(ctx, "id -u; cat /proc/self/status | grep -E '^(CapEff|CapBnd|NoNewPrivs)'", sandbox.ExecOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := res.Stdout.Text
+	for _, want := range []string{"1000\n", "CapEff:\t0000000000000000", "CapBnd:\t0000000000000000", "NoNewPrivs:\t1"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("missing %q in:\n%s", want, out)
+		}
+	}
+	_ = exec.Command
+	_ = filepath.Join
+}

@@ -1,0 +1,183 @@
+// Package sandboxtest is the conformance suite every kiln backend runs: the
+// behaviour and the security contract of a box, checked against real boxes.
+package sandboxtest
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"kiln/internal/sandbox"
+)
+
+// Options tune the suite for slow backends.
+type Options struct {
+	// Scale multiplies every timeout (a microVM under TCG wants 10).
+	Scale float64
+	// Limits for boxes made by the suite; zero fields take small defaults.
+	Limits sandbox.Limits
+	// HostProcesses is true when the box's processes are host processes
+	// (jail), so the suite can look for leftovers in the host's /proc.
+	HostProcesses bool
+}
+
+var (
+	agentOnce sync.Once
+	agentPath string
+	agentErr  error
+)
+
+// BuildAgent builds kiln-agent (static) once per test binary and returns
+// its path.
+func BuildAgent(t testing.TB) string {
+	t.Helper()
+	agentOnce.Do(func() {
+		out, err := exec.Command("go", "env", "GOMOD").Output()
+		if err != nil {
+			agentErr = fmt.Errorf("finding module root: %w", err)
+			return
+		}
+		root := filepath.Dir(strings.TrimSpace(string(out)))
+		dir, err := os.MkdirTemp("", "kiln-agent-")
+		if err != nil {
+			agentErr = err
+			return
+		}
+		os.Chmod(dir, 0o755) // boxes run as uids that must reach it
+		agentPath = filepath.Join(dir, "kiln-agent")
+		cmd := exec.Command("go", "build", "-o", agentPath, "./cmd/kiln-agent")
+		cmd.Dir = root
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			agentErr = fmt.Errorf("building kiln-agent: %v\n%s", err, out)
+		}
+	})
+	if agentErr != nil {
+		t.Fatal(agentErr)
+	}
+	return agentPath
+}
+
+type suite struct {
+	b    sandbox.Backend
+	opts Options
+	n    int
+	mu   sync.Mutex
+}
+
+// Run runs the suite against b.
+func Run(t *testing.T, b sandbox.Backend) { RunWith(t, b, Options{}) }
+
+// RunWith runs the suite with options.
+func RunWith(t *testing.T, b sandbox.Backend, opts Options) {
+	if opts.Scale == 0 {
+		opts.Scale = 1
+	}
+	if s, err := strconv.ParseFloat(os.Getenv("KILN_TEST_TIMEOUT_SCALE"), 64); err == nil && s > 0 {
+		opts.Scale *= s
+	}
+	l := &opts.Limits
+	if l.MemoryBytes == 0 {
+		l.MemoryBytes = 256 << 20
+	}
+	if l.WorkspaceBytes == 0 {
+		l.WorkspaceBytes = 32 << 20
+	}
+	if l.TmpBytes == 0 {
+		l.TmpBytes = 16 << 20
+	}
+	if l.Pids == 0 {
+		l.Pids = 64
+	}
+	s := &suite{b: b, opts: opts}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) { c.fn(t, s) })
+	}
+}
+
+func (s *suite) timeout(d time.Duration) time.Duration {
+	return time.Duration(float64(d) * s.opts.Scale)
+}
+
+func (s *suite) ctx(t *testing.T, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), s.timeout(d))
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func (s *suite) box(t *testing.T) sandbox.Sandbox {
+	t.Helper()
+	s.mu.Lock()
+	s.n++
+	id := fmt.Sprintf("conf%d-%d", os.Getpid(), s.n)
+	s.mu.Unlock()
+	box, err := s.b.Create(s.ctx(t, 60*time.Second), sandbox.Spec{ID: id, Limits: s.opts.Limits})
+	if err != nil {
+		t.Fatalf("creating box: %v", err)
+	}
+	t.Cleanup(func() { box.Close() })
+	return box
+}
+
+func py(t *testing.T, s *suite, box sandbox.Sandbox, code string) *resultView {
+	t.Helper()
+	res, err := box.RunPython(s.ctx(t, 60*time.Second), code, sandbox.ExecOptions{})
+	if err != nil {
+		t.Fatalf("run_python %q: %v", code, err)
+	}
+	return view(res)
+}
+
+func sh(t *testing.T, s *suite, box sandbox.Sandbox, command string) *resultView {
+	t.Helper()
+	res, err := box.RunShell(s.ctx(t, 60*time.Second), command, sandbox.ExecOptions{})
+	if err != nil {
+		t.Fatalf("run_shell %q: %v", command, err)
+	}
+	return view(res)
+}
+
+// hostListener starts a TCP server on the host's loopback and returns its
+// port; a box must not reach it.
+func hostListener(t *testing.T) int {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			c.Write([]byte("HOST-SECRET\n"))
+			c.Close()
+		}
+	}()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// leftovers lists host processes whose command line contains marker.
+func leftovers(marker string) []string {
+	var out []string
+	entries, _ := os.ReadDir("/proc")
+	for _, e := range entries {
+		if _, err := strconv.Atoi(e.Name()); err != nil {
+			continue
+		}
+		b, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
+		if err == nil && strings.Contains(string(b), marker) {
+			out = append(out, e.Name()+": "+strings.ReplaceAll(string(b), "\x00", " "))
+		}
+	}
+	return out
+}
