@@ -13,6 +13,7 @@ import (
 
 	seccomp "github.com/elastic/go-seccomp-bpf"
 	"github.com/landlock-lsm/go-landlock/landlock"
+	llsys "github.com/landlock-lsm/go-landlock/landlock/syscall"
 	"golang.org/x/sys/unix"
 )
 
@@ -344,6 +345,9 @@ func restrictFS(cfg *initConfig) error {
 	}
 	return landlock.V5.BestEffort().RestrictPaths(
 		landlock.RODirs(ro...),
+		// Listing / shows only the box's own mounts; reading what is
+		// under it is governed by the rules above.
+		landlock.PathAccess(llsys.AccessFSReadDir, "/"),
 		landlock.RWDirs("/work", "/tmp", "/dev/shm"),
 		landlock.RWFiles("/dev/null", "/dev/zero", "/dev/full"),
 	)

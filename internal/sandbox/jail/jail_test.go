@@ -47,21 +47,21 @@ func TestSeccompVictims(t *testing.T) {
 	}
 	defer box.Close()
 	victims := map[string]string{
-		"unshare user ns":  "import os; os.unshare(os.CLONE_NEWUSER)",
-		"unshare net ns":   "import os; os.unshare(os.CLONE_NEWNET)",
-		"mount":            "import ctypes; l=ctypes.CDLL(None,use_errno=True); r=l.mount(b'none',b'/tmp',b'tmpfs',0,None); assert r==0, ctypes.get_errno()",
-		"ptrace":           "import ctypes; l=ctypes.CDLL(None,use_errno=True); r=l.ptrace(16,1,0,0); assert r==0, ctypes.get_errno()",
-		"raw socket":       "import socket; socket.socket(socket.AF_INET, socket.SOCK_RAW, 1)",
-		"packet socket":    "import socket; socket.socket(17, socket.SOCK_RAW, 0)",
-		"bpf":              "import ctypes; l=ctypes.CDLL(None,use_errno=True); r=l.syscall(321,0,0,0); assert r==0, ctypes.get_errno()",
-		"keyctl":           "import ctypes; l=ctypes.CDLL(None,use_errno=True); r=l.syscall(250,0,0,0); assert r>=0, ctypes.get_errno()",
-		"chroot":           "import os; os.chroot('/tmp')",
-		"setuid root":      "import os; os.setuid(0)",
-		"write /usr":       "open('/usr/kiln-test','w')",
-		"write /etc":       "open('/etc/kiln-test','w')",
-		"write /proc/sys":  "open('/proc/sys/kernel/hostname','w').write('x')",
-		"sysrq":            "open('/proc/sysrq-trigger','w').write('b')",
-		"mknod":            "import os, stat; os.mknod('/tmp/sda', stat.S_IFBLK|0o600, os.makedev(8,0))",
+		"unshare user ns": "import os; os.unshare(os.CLONE_NEWUSER)",
+		"unshare net ns":  "import os; os.unshare(os.CLONE_NEWNET)",
+		"mount":           "import ctypes; l=ctypes.CDLL(None,use_errno=True); r=l.mount(b'none',b'/tmp',b'tmpfs',0,None); assert r==0, ctypes.get_errno()",
+		"ptrace":          "import ctypes; l=ctypes.CDLL(None,use_errno=True); r=l.ptrace(16,1,0,0); assert r==0, ctypes.get_errno()",
+		"raw socket":      "import socket; socket.socket(socket.AF_INET, socket.SOCK_RAW, 1)",
+		"packet socket":   "import socket; socket.socket(17, socket.SOCK_RAW, 0)",
+		"bpf":             "import ctypes; l=ctypes.CDLL(None,use_errno=True); r=l.syscall(321,0,0,0); assert r==0, ctypes.get_errno()",
+		"keyctl":          "import ctypes; l=ctypes.CDLL(None,use_errno=True); r=l.syscall(250,0,0,0); assert r>=0, ctypes.get_errno()",
+		"chroot":          "import os; os.chroot('/tmp')",
+		"setuid root":     "import os; os.setuid(0)",
+		"write /usr":      "open('/usr/kiln-test','w')",
+		"write /etc":      "open('/etc/kiln-test','w')",
+		"write /proc/sys": "open('/proc/sys/kernel/hostname','w').write('x')",
+		"sysrq":           "open('/proc/sysrq-trigger','w').write('b')",
+		"mknod":           "import os, stat; os.mknod('/tmp/sda', stat.S_IFBLK|0o600, os.makedev(8,0))",
 	}
 	for name, code := range victims {
 		t.Run(name, func(t *testing.T) {

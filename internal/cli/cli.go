@@ -1,0 +1,393 @@
+// Package cli implements kiln's command line: it parses flags and calls
+// into the rest of kiln.
+package cli
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/modelcontextprotocol/go-sdk/mcp"
+
+	"kiln/internal/mcpserver"
+	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/gvisor"
+	"kiln/internal/sandbox/jail"
+	"kiln/internal/session"
+)
+
+const usage = `kiln runs the code AI agents write in sandboxes that hold nothing of the host.
+
+Usage:
+  kiln mcp [flags]                 MCP over stdio (Claude Desktop, Claude Code, Cursor)
+  kiln serve [--addr A] [flags]    MCP over streamable HTTP at /mcp (bearer token)
+  kiln run -c CODE | -f FILE       run once and print the result (--shell for bash)
+  kiln install claude-desktop|claude-code [--write]
+  kiln doctor                      which backends work here, and why not
+  kiln version
+
+Run "kiln <command> -h" for the flags of a command.
+`
+
+// Main runs kiln with args and returns the exit status.
+func Main(args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return 2
+	}
+	cmd, rest := args[0], args[1:]
+	var err error
+	switch cmd {
+	case "mcp":
+		err = runMCP(rest, stdout, stderr)
+	case "serve":
+		err = runServe(rest, stderr)
+	case "run":
+		var code int
+		code, err = runOnce(rest, stdout, stderr)
+		if err == nil {
+			return code
+		}
+	case "install":
+		err = runInstall(rest, stdout, stderr)
+	case "doctor":
+		err = runDoctor(rest, stdout, stderr)
+	case "version", "--version":
+		fmt.Fprintln(stdout, "kiln", mcpserver.Version)
+	case "help", "-h", "--help":
+		fmt.Fprint(stdout, usage)
+	default:
+		fmt.Fprintf(stderr, "kiln: unknown command %q\n\n%s", cmd, usage)
+		return 2
+	}
+	if errors.Is(err, flag.ErrHelp) {
+		return 0
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, "kiln:", err)
+		return 1
+	}
+	return 0
+}
+
+// common are the flags every serving command shares.
+type common struct {
+	backend     string
+	mode        string
+	agent       string
+	timeout     time.Duration
+	maxTimeout  time.Duration
+	memoryMiB   int64
+	diskMiB     int64
+	pids        int
+	cpus        float64
+	maxOutput   int
+	poolSize    int
+	poolWorkers int
+	idleTTL     time.Duration
+	preload     string
+	runsc       string
+	verbose     bool
+}
+
+func (c *common) register(fs *flag.FlagSet) {
+	fs.StringVar(&c.backend, "backend", "jail", "isolation backend: jail or gvisor")
+	fs.StringVar(&c.mode, "mode", "session", "session (state persists per session) or per-call (a fresh sandbox for every call)")
+	fs.StringVar(&c.agent, "agent", "", "path of kiln-agent (default: next to kiln, then $PATH)")
+	fs.DurationVar(&c.timeout, "timeout", 30*time.Second, "default time limit of a call")
+	fs.DurationVar(&c.maxTimeout, "max-timeout", 5*time.Minute, "largest time limit a call may ask for")
+	fs.Int64Var(&c.memoryMiB, "memory", 1024, "memory limit per sandbox, MiB")
+	fs.Int64Var(&c.diskMiB, "disk", 512, "workspace size per sandbox, MiB")
+	fs.IntVar(&c.pids, "pids", 256, "process limit per sandbox")
+	fs.Float64Var(&c.cpus, "cpus", 1, "CPU limit per sandbox, cores")
+	fs.IntVar(&c.maxOutput, "max-output", 20000, "bytes of stdout and of stderr kept per call (head and tail)")
+	fs.IntVar(&c.poolSize, "pool", 1, "sandboxes kept ready ahead of demand")
+	fs.IntVar(&c.poolWorkers, "pool-workers", 1, "sandboxes prepared at once when refilling the pool")
+	fs.DurationVar(&c.idleTTL, "idle-ttl", 30*time.Minute, "destroy a session's sandbox after this long unused")
+	fs.StringVar(&c.preload, "preload", "numpy,pandas,matplotlib", "Python modules imported before the first call (skipped when missing)")
+	fs.StringVar(&c.runsc, "runsc", "", "gvisor backend: a static runsc binary (default: the pinned build in kiln's cache)")
+	fs.BoolVar(&c.verbose, "v", false, "debug logging on stderr")
+}
+
+func (c *common) logger(stderr io.Writer) *slog.Logger {
+	level := slog.LevelInfo
+	if c.verbose {
+		level = slog.LevelDebug
+	}
+	return slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
+}
+
+func (c *common) limits() sandbox.Limits {
+	return sandbox.Limits{
+		MemoryBytes:    c.memoryMiB << 20,
+		WorkspaceBytes: c.diskMiB << 20,
+		Pids:           c.pids,
+		CPUs:           c.cpus,
+	}
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, f := range strings.Split(s, ",") {
+		if f = strings.TrimSpace(f); f != "" {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+// closer is implemented by backends that hold resources of their own.
+type closer interface{ Close() error }
+
+// newBackend builds the named backend.
+func newBackend(ctx context.Context, name, agent, runsc string, log *slog.Logger) (sandbox.Backend, error) {
+	switch name {
+	case "jail":
+		return jail.New(jail.Options{Agent: agent, Logger: log})
+	case "gvisor":
+		if agent == "" {
+			p, err := jail.FindAgent()
+			if err != nil {
+				return nil, fmt.Errorf("finding kiln-agent: %w", err)
+			}
+			agent = p
+		}
+		if runsc == "" {
+			p, err := gvisor.EnsureRunsc(ctx, log)
+			if err != nil {
+				return nil, err
+			}
+			runsc = p
+		}
+		return gvisor.New(gvisor.Options{Agent: agent, Runsc: runsc, Logger: log})
+	}
+	return nil, fmt.Errorf("unknown backend %q (jail or gvisor)", name)
+}
+
+// stack is a running backend, session manager and MCP server.
+type stack struct {
+	backend sandbox.Backend
+	mgr     *session.Manager
+	srv     *mcpserver.Server
+}
+
+func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
+	mode := session.Mode(c.mode)
+	if mode != session.ModeSession && mode != session.ModePerCall {
+		return nil, fmt.Errorf("--mode must be session or per-call, not %q", c.mode)
+	}
+	b, err := newBackend(ctx, c.backend, c.agent, c.runsc, log)
+	if err != nil {
+		return nil, fmt.Errorf("starting %s backend: %w", c.backend, err)
+	}
+	mgr := session.NewManager(session.Options{
+		Backend:        b,
+		Mode:           mode,
+		Limits:         c.limits(),
+		Preload:        splitList(c.preload),
+		DefaultTimeout: c.timeout,
+		MaxTimeout:     c.maxTimeout,
+		IdleTTL:        c.idleTTL,
+		MaxOutput:      c.maxOutput,
+		PoolSize:       c.poolSize,
+		PoolWorkers:    c.poolWorkers,
+		Logger:         log,
+	})
+	var rt sandbox.Runtime
+	if d, ok := b.(sandbox.Describer); ok {
+		rt = d.Runtime()
+	}
+	srv := mcpserver.New(mcpserver.Options{Manager: mgr, Runtime: rt, Backend: b.Name(), Logger: log})
+	return &stack{backend: b, mgr: mgr, srv: srv}, nil
+}
+
+func (s *stack) close() {
+	s.mgr.Close()
+	if c, ok := s.backend.(closer); ok {
+		c.Close()
+	}
+}
+
+func signalContext() (context.Context, context.CancelFunc) {
+	return signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+}
+
+func runMCP(args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("kiln mcp", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var c common
+	c.register(fs)
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	log := c.logger(stderr)
+	ctx, cancel := signalContext()
+	defer cancel()
+	st, err := c.start(ctx, log)
+	if err != nil {
+		return err
+	}
+	defer st.close()
+	log.Info("kiln serving MCP on stdio", "backend", c.backend, "mode", c.mode)
+	// Only protocol goes to stdout: the transport owns os.Stdout.
+	err = st.srv.MCP().Run(ctx, &mcp.StdioTransport{})
+	if err != nil && ctx.Err() == nil && !errors.Is(err, io.EOF) {
+		return err
+	}
+	return nil
+}
+
+func runServe(args []string, stderr io.Writer) error {
+	fs := flag.NewFlagSet("kiln serve", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var c common
+	c.register(fs)
+	addr := fs.String("addr", "127.0.0.1:8080", "address to listen on")
+	tokenFile := fs.String("token-file", "", "file of bearer tokens, one per line (\"principal:token\" or \"token\"); KILN_TOKEN adds one")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	toks, err := mcpserver.LoadTokens(os.Getenv("KILN_TOKEN"), *tokenFile)
+	if err != nil {
+		return err
+	}
+	if err := mcpserver.CheckListen(*addr, toks); err != nil {
+		return err
+	}
+	log := c.logger(stderr)
+	ctx, cancel := signalContext()
+	defer cancel()
+	st, err := c.start(ctx, log)
+	if err != nil {
+		return err
+	}
+	defer st.close()
+	hs := &http.Server{Addr: *addr, Handler: st.srv.Handler(mcpserver.HTTPOptions{Tokens: toks}), ReadHeaderTimeout: 10 * time.Second}
+	errc := make(chan error, 1)
+	go func() { errc <- hs.ListenAndServe() }()
+	log.Info("kiln serving MCP over HTTP", "url", "http://"+*addr+"/mcp", "backend", c.backend, "mode", c.mode, "auth", len(toks) > 0)
+	select {
+	case err := <-errc:
+		return err
+	case <-ctx.Done():
+	}
+	sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer scancel()
+	return hs.Shutdown(sctx)
+}
+
+func runOnce(args []string, stdout, stderr io.Writer) (int, error) {
+	fs := flag.NewFlagSet("kiln run", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var c common
+	c.register(fs)
+	code := fs.String("c", "", "code to run")
+	file := fs.String("f", "", "file of code to run (- for stdin)")
+	shell := fs.Bool("shell", false, "run as a bash command line instead of Python")
+	images := fs.String("images", "", "directory to save images to (default: only list them)")
+	if err := fs.Parse(args); err != nil {
+		return 0, err
+	}
+	src := *code
+	switch {
+	case *code != "" && *file != "":
+		return 0, errors.New("give -c or -f, not both")
+	case *file == "-":
+		b, err := io.ReadAll(os.Stdin)
+		if err != nil {
+			return 0, err
+		}
+		src = string(b)
+	case *file != "":
+		b, err := os.ReadFile(*file)
+		if err != nil {
+			return 0, err
+		}
+		src = string(b)
+	case *code == "":
+		return 0, errors.New("give code with -c CODE or -f FILE")
+	}
+	c.poolSize = 0
+	c.mode = string(session.ModePerCall)
+	log := c.logger(stderr)
+	if !c.verbose {
+		log = slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	}
+	ctx, cancel := signalContext()
+	defer cancel()
+	st, err := c.start(ctx, log)
+	if err != nil {
+		return 0, err
+	}
+	defer st.close()
+	tool := "run_python"
+	argsJSON := map[string]any{"code": src}
+	if *shell {
+		tool = "run_shell"
+		argsJSON = map[string]any{"command": src}
+	}
+	res, err := callInMemory(ctx, st.srv, tool, argsJSON)
+	if err != nil {
+		return 0, err
+	}
+	printResult(stdout, res, *images)
+	if res.IsError {
+		return 1, nil
+	}
+	return 0, nil
+}
+
+// callInMemory calls a tool through a real MCP client over the SDK's
+// in-memory transport, so `kiln run` prints exactly what a client gets.
+func callInMemory(ctx context.Context, srv *mcpserver.Server, tool string, args map[string]any) (*mcp.CallToolResult, error) {
+	ct, stt := mcp.NewInMemoryTransports()
+	ss, err := srv.MCP().Connect(ctx, stt, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer ss.Close()
+	client := mcp.NewClient(&mcp.Implementation{Name: "kiln-run", Version: mcpserver.Version}, nil)
+	cs, err := client.Connect(ctx, ct, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer cs.Close()
+	return cs.CallTool(ctx, &mcp.CallToolParams{Name: tool, Arguments: args})
+}
+
+func printResult(w io.Writer, res *mcp.CallToolResult, imageDir string) {
+	n := 0
+	for _, c := range res.Content {
+		switch c := c.(type) {
+		case *mcp.TextContent:
+			fmt.Fprintln(w, c.Text)
+		case *mcp.ImageContent:
+			n++
+			if imageDir == "" {
+				fmt.Fprintf(w, "[image %d: %s, %d bytes; save with --images DIR]\n", n, c.MIMEType, len(c.Data))
+				continue
+			}
+			ext := strings.TrimPrefix(c.MIMEType, "image/")
+			p := filepath.Join(imageDir, fmt.Sprintf("kiln-image-%d.%s", n, ext))
+			if err := os.WriteFile(p, c.Data, 0o644); err != nil {
+				fmt.Fprintf(w, "[image %d: %v]\n", n, err)
+			} else {
+				fmt.Fprintf(w, "[image %d saved to %s]\n", n, p)
+			}
+		case *mcp.EmbeddedResource:
+			if c.Resource != nil {
+				fmt.Fprintf(w, "[resource %s, %d bytes]\n", c.Resource.URI, len(c.Resource.Blob))
+			}
+		}
+	}
+}

@@ -1,0 +1,68 @@
+package mcpserver
+
+import (
+	"fmt"
+	"strings"
+
+	"kiln/internal/session"
+)
+
+// Tool descriptions are generated from the live configuration: they tell
+// the model what is true of this server (network, limits, persistence,
+// libraries), nothing more.
+
+func (s *Server) facts() string {
+	o := s.mgr.Options()
+	var b strings.Builder
+	if s.perCall() {
+		b.WriteString("Every call runs in a brand-new sandbox that is destroyed afterwards: nothing persists between calls (no variables, files or processes). Pass input files with \"files\"; files the call writes under " + workspace + " come back with the result. ")
+	} else {
+		b.WriteString("State persists within a session: variables, imports, files in " + workspace + " and background processes. Each result names its session; pass that name as \"session\" to continue in it, or a new name to start another. ")
+	}
+	if s.opts.Network == "" {
+		b.WriteString("The sandbox has NO network access (only its own loopback). ")
+	} else {
+		b.WriteString("Network: " + s.opts.Network + ". ")
+	}
+	fmt.Fprintf(&b, "Time limit %gs per call by default (timeout_s may raise it to %gs); at the limit the code is interrupted, and if it does not stop the sandbox is destroyed. ",
+		o.DefaultTimeout.Seconds(), o.MaxTimeout.Seconds())
+	fmt.Fprintf(&b, "Limits: %d MiB memory, %d MiB workspace, %d processes. Output over %d characters per stream is cut in the middle. ",
+		o.Limits.MemoryBytes>>20, o.Limits.WorkspaceBytes>>20, o.Limits.Pids, o.MaxOutput)
+	b.WriteString("The working directory is " + workspace + ".")
+	return b.String()
+}
+
+func (s *Server) describeRunPython() string {
+	rt := s.opts.Runtime
+	var b strings.Builder
+	b.WriteString("Run Python code in a sandbox, like a notebook cell. ")
+	if rt.Python != "" {
+		fmt.Fprintf(&b, "Python %s", rt.Python)
+		if len(rt.Libraries) > 0 {
+			fmt.Fprintf(&b, " with %s installed", strings.Join(rt.Libraries, ", "))
+		}
+		b.WriteString(". ")
+	}
+	b.WriteString("The value of the last expression is shown. matplotlib figures (plt.show() or left open) come back as PNG images; display(obj) shows rich objects (DataFrames as tables). Exceptions come back with a traceback. ")
+	b.WriteString(s.facts())
+	return b.String()
+}
+
+func (s *Server) describeRunShell() string {
+	return "Run a bash command line in the sandbox; stdout, stderr and the exit status come back. " + s.sharedWith() + s.facts()
+}
+
+func (s *Server) sharedWith() string {
+	if s.perCall() {
+		return ""
+	}
+	return "It shares the workspace and session with run_python. "
+}
+
+func (s *Server) instructions() string {
+	mode := "sessions keep state between calls"
+	if s.mgr.Options().Mode == session.ModePerCall {
+		mode = "every call runs in a fresh sandbox"
+	}
+	return "kiln runs code in an isolated sandbox (" + s.opts.Backend + " backend; " + mode + "). Use run_python for computation, data and charts, run_shell for commands."
+}
