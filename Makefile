@@ -1,0 +1,58 @@
+# kiln — build, run, test. Everything static, no cgo (the agent must run in
+# any rootfs, and the jail's init uses all-thread syscalls).
+export CGO_ENABLED := 0
+GO      ?= go
+BIN     := bin
+APT_RUNTIME := python3 python3-numpy python3-pandas python3-matplotlib
+APT_TEST    := iproute2 nftables curl
+
+.PHONY: all build run serve demo test test-go test-e2e deps deps-runtime deps-test runsc clean
+
+all: build
+
+build:
+	$(GO) build -o $(BIN)/ ./cmd/kiln ./cmd/kiln-agent
+
+# The sandbox's Python runtime comes from Debian (the host's /usr is what
+# the jail binds read-only into every box).
+deps-runtime:
+	@missing=$$(for p in $(APT_RUNTIME); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+deps-test: deps-runtime
+	@missing=$$(for p in $(APT_TEST); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+	cd e2e && npm ci --no-audit --no-fund --loglevel=error
+
+deps: deps-runtime
+
+# The main job: kiln as an MCP server on stdio, on the jail backend.
+run: deps-runtime build
+	exec $(BIN)/kiln mcp
+
+serve: deps-runtime build
+	exec $(BIN)/kiln serve --addr 127.0.0.1:8080
+
+demo: deps-runtime build
+	$(BIN)/kiln run --images . -c 'import matplotlib.pyplot as plt; p=[n for n in range(2,80) if all(n%d for d in range(2,n))][:20]; print(p); plt.plot([b-a for a,b in zip(p,p[1:])], marker="o"); plt.title("gaps between the first 20 primes"); plt.show()'
+
+# The test command (README, .ci/run).
+test: deps-test build test-go test-e2e
+
+test-go:
+	$(GO) test -count=1 -timeout 20m ./...
+
+test-e2e: build
+	cd e2e && KILN_BIN=$(CURDIR)/$(BIN)/kiln node --test --test-concurrency=1
+
+runsc:
+	KILN_TEST_GVISOR=1 $(GO) test ./internal/sandbox/gvisor -run '^TestEnsureRunsc$$' -count=1
+
+clean:
+	rm -rf $(BIN)
