@@ -19,6 +19,7 @@ import (
 
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
+	"kiln/internal/egress"
 	"kiln/internal/mcpserver"
 	"kiln/internal/sandbox"
 	"kiln/internal/sandbox/gvisor"
@@ -97,6 +98,8 @@ type common struct {
 	idleTTL     time.Duration
 	preload     string
 	runsc       string
+	allowNet    string
+	egressHosts string
 	verbose     bool
 }
 
@@ -116,6 +119,8 @@ func (c *common) register(fs *flag.FlagSet) {
 	fs.DurationVar(&c.idleTTL, "idle-ttl", 30*time.Minute, "destroy a session's sandbox after this long unused")
 	fs.StringVar(&c.preload, "preload", "numpy,pandas,matplotlib", "Python modules imported before the first call (skipped when missing)")
 	fs.StringVar(&c.runsc, "runsc", "", "gvisor backend: a static runsc binary (default: the pinned build in kiln's cache)")
+	fs.StringVar(&c.allowNet, "allow-net", "", "hosts sandboxes may reach over HTTP(S), comma-separated: host, *.domain, host:port (default: none, loopback only)")
+	fs.StringVar(&c.egressHosts, "egress-hosts", "", "hosts file (/etc/hosts format) the egress gateway resolves names with before DNS")
 	fs.BoolVar(&c.verbose, "v", false, "debug logging on stderr")
 }
 
@@ -149,12 +154,39 @@ func splitList(s string) []string {
 // closer is implemented by backends that hold resources of their own.
 type closer interface{ Close() error }
 
+// network is the egress configuration of a server.
+type network struct {
+	policy  egress.Policy
+	gateway *egress.Gateway // nil when the policy is empty
+}
+
+func (c *common) network(log *slog.Logger) (*network, error) {
+	p, err := egress.ParsePolicy(splitList(c.allowNet)...)
+	if err != nil {
+		return nil, fmt.Errorf("--allow-net: %w", err)
+	}
+	n := &network{policy: p}
+	if p.Empty() {
+		return n, nil
+	}
+	if n.gateway, err = egress.NewGateway(egress.Options{Logger: log, HostsFile: c.egressHosts}); err != nil {
+		return nil, fmt.Errorf("starting the egress gateway: %w", err)
+	}
+	return n, nil
+}
+
 // newBackend builds the named backend.
-func newBackend(ctx context.Context, name, agent, runsc string, log *slog.Logger) (sandbox.Backend, error) {
+func newBackend(ctx context.Context, name, agent, runsc string, net *network, log *slog.Logger) (sandbox.Backend, error) {
+	if net == nil {
+		net = &network{}
+	}
 	switch name {
 	case "jail":
-		return jail.New(jail.Options{Agent: agent, Logger: log})
+		return jail.New(jail.Options{Agent: agent, Logger: log, Egress: net.gateway, Policy: net.policy})
 	case "gvisor":
+		if !net.policy.Empty() {
+			return nil, errors.New("--allow-net is not supported on the gvisor backend yet")
+		}
 		if agent == "" {
 			p, err := jail.FindAgent()
 			if err != nil {
@@ -176,6 +208,7 @@ func newBackend(ctx context.Context, name, agent, runsc string, log *slog.Logger
 
 // stack is a running backend, session manager and MCP server.
 type stack struct {
+	net     *network
 	backend sandbox.Backend
 	mgr     *session.Manager
 	srv     *mcpserver.Server
@@ -186,8 +219,15 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 	if mode != session.ModeSession && mode != session.ModePerCall {
 		return nil, fmt.Errorf("--mode must be session or per-call, not %q", c.mode)
 	}
-	b, err := newBackend(ctx, c.backend, c.agent, c.runsc, log)
+	net, err := c.network(log)
 	if err != nil {
+		return nil, err
+	}
+	b, err := newBackend(ctx, c.backend, c.agent, c.runsc, net, log)
+	if err != nil {
+		if net.gateway != nil {
+			net.gateway.Close()
+		}
 		return nil, fmt.Errorf("starting %s backend: %w", c.backend, err)
 	}
 	mgr := session.NewManager(session.Options{
@@ -207,14 +247,22 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 	if d, ok := b.(sandbox.Describer); ok {
 		rt = d.Runtime()
 	}
-	srv := mcpserver.New(mcpserver.Options{Manager: mgr, Runtime: rt, Backend: b.Name(), Logger: log})
-	return &stack{backend: b, mgr: mgr, srv: srv}, nil
+	netDesc := ""
+	if !net.policy.Empty() {
+		netDesc = egress.Describe(net.policy)
+		log.Info("egress allowed", "hosts", net.policy.String())
+	}
+	srv := mcpserver.New(mcpserver.Options{Manager: mgr, Runtime: rt, Backend: b.Name(), Network: netDesc, Logger: log})
+	return &stack{net: net, backend: b, mgr: mgr, srv: srv}, nil
 }
 
 func (s *stack) close() {
 	s.mgr.Close()
 	if c, ok := s.backend.(closer); ok {
 		c.Close()
+	}
+	if s.net.gateway != nil {
+		s.net.gateway.Close()
 	}
 }
 

@@ -22,7 +22,7 @@ func (s *Server) facts() string {
 	if s.opts.Network == "" {
 		b.WriteString("The sandbox has NO network access (only its own loopback). ")
 	} else {
-		b.WriteString("Network: " + s.opts.Network + ". ")
+		b.WriteString(s.opts.Network + " ")
 	}
 	fmt.Fprintf(&b, "Time limit %gs per call by default (timeout_s may raise it to %gs); at the limit the code is interrupted, and if it does not stop the sandbox is destroyed. ",
 		o.DefaultTimeout.Seconds(), o.MaxTimeout.Seconds())

@@ -28,7 +28,7 @@ type Options struct {
 	Manager *session.Manager
 	// Runtime and Network describe the sandbox for tool descriptions.
 	Runtime sandbox.Runtime
-	Network string // "" means no network
+	Network string // one sentence on what boxes can reach; "" means no network
 	Backend string
 	Logger  *slog.Logger
 }

@@ -44,6 +44,12 @@ type Describer interface {
 	Runtime() Runtime
 }
 
+// RefusalReporter is implemented by boxes behind an egress policy: the
+// connections it refused since the last call, in words for the model.
+type RefusalReporter interface {
+	NetworkRefusals() []string
+}
+
 // Runtime is what code inside a box can use.
 type Runtime struct {
 	Python    string   // "3.11.2"; empty if there is no python

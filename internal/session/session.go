@@ -398,7 +398,17 @@ func (m *Manager) runBounded(ctx context.Context, box sandbox.Sandbox, timeout t
 	var why string
 	select {
 	case r := <-done:
-		return finish(r)
+		out, err := finish(r)
+		if rr, ok := box.(sandbox.RefusalReporter); ok && out != nil {
+			seen := map[string]bool{}
+			for _, refusal := range rr.NetworkRefusals() {
+				if !seen[refusal] {
+					seen[refusal] = true
+					out.Note = joinNote(out.Note, refusal)
+				}
+			}
+		}
+		return out, err
 	case <-timer.C:
 		why = fmt.Sprintf("timed out after %s", timeout.Round(time.Millisecond))
 	case <-ctx.Done():

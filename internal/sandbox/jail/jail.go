@@ -8,6 +8,8 @@ package jail
 
 import (
 	"log/slog"
+
+	"kiln/internal/egress"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -25,10 +27,14 @@ type Options struct {
 	Python string
 	// StateDir holds per-box mount points. Default: os.TempDir()/kiln-jail.
 	StateDir string
-	// Env is added to every box's environment (proxy settings, say).
-	Env        []string
-	ResolvConf string
-	Logger     *slog.Logger
+	// Env is added to every box's environment.
+	Env []string
+	// Egress, when set with a non-empty Policy, gives every box a veth to
+	// the egress gateway: the box reaches only the allowed hosts, through
+	// the gateway's DNS and proxy. Nil or an empty policy: loopback only.
+	Egress *egress.Gateway
+	Policy egress.Policy
+	Logger *slog.Logger
 }
 
 // FindAgent looks for kiln-agent next to the running executable, then in

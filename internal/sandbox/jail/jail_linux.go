@@ -16,6 +16,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"kiln/internal/egress"
 	"kiln/internal/sandbox"
 )
 
@@ -188,13 +189,25 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (_ sandbox.Sand
 			return nil, err
 		}
 	}
+	env := b.env()
+	resolvConf := ""
+	var att *egress.Attachment
+	if b.opts.Egress != nil && !b.opts.Policy.Empty() {
+		att, err = b.opts.Egress.Attach(ctx, cmd.Process.Pid, egress.BoxInfo{Session: spec.ID, Policy: b.opts.Policy})
+		if err != nil {
+			return nil, fmt.Errorf("attaching egress gateway: %w", err)
+		}
+		cl.push(att.Close)
+		env = append(env, att.Env()...)
+		resolvConf = att.ResolvConf()
+	}
 	cfg := initConfig{
 		Root:       root,
 		Agent:      b.opts.Agent,
 		AgentArgs:  b.agentArgs(spec),
-		Env:        b.env(),
+		Env:        env,
 		Hostname:   "kiln",
-		ResolvConf: b.opts.ResolvConf,
+		ResolvConf: resolvConf,
 		Rootless:   b.rootless,
 		Workspace:  lim.WorkspaceBytes,
 		Tmp:        lim.TmpBytes,
@@ -221,7 +234,7 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (_ sandbox.Sand
 		}
 		return nil, fmt.Errorf("starting jail: %w", err)
 	}
-	return &jailBox{AgentConn: conn, cg: cg}, nil
+	return &jailBox{AgentConn: conn, cg: cg, egress: att}, nil
 }
 
 func (b *Backend) procAttr() *syscall.SysProcAttr {
@@ -271,7 +284,21 @@ func (b *Backend) env() []string {
 // jailBox adds what only the jail knows to the agent connection.
 type jailBox struct {
 	*sandbox.AgentConn
-	cg *cgroup
+	cg     *cgroup
+	egress *egress.Attachment // nil without network
+}
+
+// NetworkRefusals says which connections the egress policy refused since
+// the last call, in words for the model.
+func (j *jailBox) NetworkRefusals() []string {
+	if j.egress == nil {
+		return nil
+	}
+	var out []string
+	for _, r := range j.egress.Refusals() {
+		out = append(out, r.String())
+	}
+	return out
 }
 
 // OOMKilled reports whether the box hit its memory limit.
