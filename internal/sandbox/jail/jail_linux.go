@@ -277,6 +277,7 @@ func (b *Backend) env() []string {
 		"LANG=C.UTF-8",
 		"TMPDIR=/tmp",
 		"MPLCONFIGDIR=/tmp/.matplotlib",
+		"XDG_CACHE_HOME=/tmp/.cache", // fontconfig and friends stay out of /work
 	}
 	return append(env, b.opts.Env...)
 }
