@@ -25,9 +25,9 @@ type Pool struct {
 	kick     chan struct{}
 	mu       sync.Mutex
 	inflight int
-	ctx    context.Context
-	cancel context.CancelFunc
-	wg     sync.WaitGroup
+	ctx      context.Context
+	cancel   context.CancelFunc
+	wg       sync.WaitGroup
 }
 
 // PoolOptions configure a pool.
