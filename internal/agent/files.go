@@ -22,6 +22,14 @@ const (
 // Every file operation goes through an os.Root opened on the workspace: the
 // kernel-checked walk refuses absolute symlinks, ".." and symlinks that
 // lead out of the workspace, whatever the box planted there.
+//
+// Under gVisor that walk is not enough on its own: os.Root opens each
+// directory on the way with openat(O_NOFOLLOW|O_DIRECTORY), and gVisor
+// follows a final symlink to a directory despite O_NOFOLLOW when
+// O_DIRECTORY is set (google/gvisor#14786; Linux fails with ENOTDIR), so
+// os.Root never sees "rootlink" -> / and walks out of the workspace. open
+// therefore resolves symlinks itself first (resolveLinks) and hands os.Root
+// a path without any.
 
 // open resolves p (see splitPath) to a path relative to the workspace root.
 func (a *Agent) open(p string) (*os.Root, string, error) {
@@ -33,10 +41,69 @@ func (a *Agent) open(p string) (*os.Root, string, error) {
 	if err != nil {
 		return nil, "", fmt.Errorf("opening workspace: %w", err)
 	}
+	if parts, err = resolveLinks(root, parts); err != nil {
+		root.Close()
+		return nil, "", pathErr(p, err)
+	}
 	if len(parts) == 0 {
 		return root, ".", nil
 	}
 	return root, strings.Join(parts, "/"), nil
+}
+
+// maxLinks bounds the symlinks followed while resolving one path (os.Root
+// allows 8).
+const maxLinks = 8
+
+// resolveLinks follows the symlinks among parts the way os.Root does: a
+// relative target is spliced in, ".." pops a directory already known to be
+// real, and an absolute target or a ".." above the root is refused. What
+// comes back names no symlink, as far as Lstat saw. Resolution stops at the
+// first component Lstat cannot see (missing, or under a non-directory): the
+// rest goes to os.Root unchanged, which creates it or reports the error.
+//
+// A symlink planted between this walk and os.Root's is still followed
+// under gVisor. There the agent runs as the same unprivileged user as the
+// code in the box, so the race gains that code nothing it cannot read or
+// write itself; on a Linux kernel os.Root's own walk refuses it.
+func resolveLinks(root *os.Root, parts []string) ([]string, error) {
+	var done []string // real directories (and, last, any non-symlink)
+	links := 0
+	for len(parts) > 0 {
+		c := parts[0]
+		parts = parts[1:]
+		switch c {
+		case "", ".":
+			continue
+		case "..":
+			if len(done) == 0 {
+				return nil, ErrOutsideWorkspace
+			}
+			done = done[:len(done)-1]
+			continue
+		}
+		p := strings.Join(append(done, c), "/")
+		fi, err := root.Lstat(p)
+		if err != nil {
+			return append(append(done, c), parts...), nil
+		}
+		if fi.Mode()&fs.ModeSymlink == 0 {
+			done = append(done, c)
+			continue
+		}
+		if links++; links > maxLinks {
+			return nil, syscall.ELOOP
+		}
+		target, err := root.Readlink(p)
+		if err != nil {
+			return nil, err
+		}
+		if path.IsAbs(target) {
+			return nil, ErrOutsideWorkspace
+		}
+		parts = append(strings.Split(target, "/"), parts...)
+	}
+	return done, nil
 }
 
 func pathErr(p string, err error) error {
@@ -53,7 +120,7 @@ func pathErr(p string, err error) error {
 		return fmt.Errorf("%s: the workspace is full", p)
 	case errors.Is(err, syscall.ENOTDIR):
 		return fmt.Errorf("%s: a parent is not a directory", p)
-	case strings.Contains(err.Error(), "escapes from parent"), errors.Is(err, syscall.ELOOP):
+	case strings.Contains(err.Error(), "escapes from parent"), errors.Is(err, syscall.ELOOP), errors.Is(err, ErrOutsideWorkspace):
 		return fmt.Errorf("%w: %s (a symlink or .. leads out of it)", ErrOutsideWorkspace, p)
 	}
 	return fmt.Errorf("%s: %v", p, err)
