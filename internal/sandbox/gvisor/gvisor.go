@@ -64,8 +64,9 @@ type Info struct {
 }
 
 var (
-	_ sandbox.Backend = (*Backend)(nil)
-	_ sandbox.Checker = (*Backend)(nil)
+	_ sandbox.Backend   = (*Backend)(nil)
+	_ sandbox.Checker   = (*Backend)(nil)
+	_ sandbox.Describer = (*Backend)(nil)
 )
 
 // Name is the --backend value.

@@ -115,6 +115,19 @@ func (b *Backend) Info() Info {
 	return Info{Runsc: b.runsc, Version: b.version, Platform: b.opts.Platform, Rootfs: b.opts.Rootfs, StateDir: b.dir, Warm: !b.opts.Cold}
 }
 
+// boxPython is the python the agent runs in a box (its default).
+const boxPython = "/usr/bin/python3"
+
+// Runtime describes the python inside boxes. With the host runtime view it
+// is the host's python, asked directly; an image root's python is not run
+// from outside, so it is not described.
+func (b *Backend) Runtime() sandbox.Runtime {
+	if b.opts.Rootfs != "" {
+		return sandbox.Runtime{}
+	}
+	return sandbox.HostRuntime(boxPython)
+}
+
 // Create starts a box. With warm start it restores the box from the
 // template of its shape when that template is ready, and starts building
 // the template in the background when there is none yet.

@@ -32,4 +32,6 @@ func (b *Backend) Warm(ctx context.Context, spec sandbox.Spec) error {
 
 func (b *Backend) Info() Info { return Info{} }
 
+func (b *Backend) Runtime() sandbox.Runtime { return sandbox.Runtime{} }
+
 func (b *Backend) Close() error { return nil }

@@ -94,7 +94,7 @@ func (b *Backend) Name() string { return "jail" }
 
 // Runtime describes the python inside boxes (it is the host's).
 func (b *Backend) Runtime() sandbox.Runtime {
-	return hostRuntime(b.opts.Python)
+	return sandbox.HostRuntime(b.opts.Python)
 }
 
 // Check starts a box and runs a command in it.
