@@ -63,6 +63,8 @@ func Main(args []string, stdout, stderr io.Writer) int {
 		err = runInstall(rest, stdout, stderr)
 	case "doctor":
 		err = runDoctor(rest, stdout, stderr)
+	case "bench":
+		err = runBench(rest, stdout, stderr)
 	case "version", "--version":
 		fmt.Fprintln(stdout, "kiln", mcpserver.Version)
 	case "help", "-h", "--help":

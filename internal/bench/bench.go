@@ -1,0 +1,729 @@
+// Package bench measures kiln the way a client sees it, beside the floors
+// it is judged against: a bare python3 spawn, the same with numpy and
+// pandas imported. Every kiln number goes through a real MCP client
+// speaking JSON-RPC over stdio to a `kiln mcp` child process, so it
+// includes the protocol, the session layer, the pool and the backend.
+//
+// Backends plug in through the server's own --backend flag; the only
+// backend-specific part is how the processes of one box are found for the
+// memory figures (see boxFinder).
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/modelcontextprotocol/go-sdk/mcp"
+)
+
+// Options configure a run. Zero values mean defaults.
+type Options struct {
+	// Kiln is the kiln binary to start as `kiln mcp`. Default: the running
+	// executable.
+	Kiln string
+	// Backend is passed as --backend. Default "jail".
+	Backend string
+	// ServerArgs are added to every `kiln mcp` command line (limits,
+	// --preload, --agent …); ServerEnv to its environment.
+	ServerArgs []string
+	ServerEnv  []string
+	// Python is the interpreter of the bare-spawn baselines. Default
+	// /usr/bin/python3.
+	Python string
+	// Iterations is the number of samples of each latency. Default 50.
+	Iterations int
+	// Duration is how long each throughput level runs. Default 5s.
+	Duration time.Duration
+	// Clients are the concurrency levels of the throughput runs.
+	// Default 1, 2, 8.
+	Clients []int
+	// Pool and PoolWorkers are passed as --pool and --pool-workers.
+	// Default 2 and 1.
+	Pool        int
+	PoolWorkers int
+	// IdleBoxes is how many idle boxes the memory figures look at.
+	// Default 4.
+	IdleBoxes int
+	// Settle is the pause before each first call on a new session, so
+	// that it meets a warm pool as a new session usually does. Default 1s.
+	Settle time.Duration
+	// Skip names measurements to leave out (prefixes of their keys:
+	// "spawn", "session", "first", "percall", "pandas", "throughput",
+	// "pss").
+	Skip []string
+	// Progress, if set, gets a line per measurement as it starts.
+	Progress io.Writer
+	Logger   *slog.Logger
+}
+
+func (o *Options) defaults() error {
+	if o.Kiln == "" {
+		exe, err := os.Executable()
+		if err != nil {
+			return fmt.Errorf("finding own executable: %w", err)
+		}
+		o.Kiln = exe
+	}
+	if o.Backend == "" {
+		o.Backend = "jail"
+	}
+	if o.Python == "" {
+		o.Python = "/usr/bin/python3"
+	}
+	if o.Iterations <= 0 {
+		o.Iterations = 50
+	}
+	if o.Duration <= 0 {
+		o.Duration = 5 * time.Second
+	}
+	if len(o.Clients) == 0 {
+		o.Clients = []int{1, 2, 8}
+	}
+	if o.Pool < 0 {
+		o.Pool = 0
+	} else if o.Pool == 0 {
+		o.Pool = 2
+	}
+	if o.PoolWorkers <= 0 {
+		o.PoolWorkers = 1
+	}
+	if o.IdleBoxes <= 0 {
+		o.IdleBoxes = 4
+	}
+	if o.Settle <= 0 {
+		o.Settle = time.Second
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	return nil
+}
+
+// Measurement is one row of the report.
+type Measurement struct {
+	Key  string `json:"key"`
+	Name string `json:"name"`
+	// Unit of P50 and P99: "ms", "MiB" or "calls/s".
+	Unit string  `json:"unit"`
+	N    int     `json:"n"`
+	P50  float64 `json:"p50"`
+	P99  float64 `json:"p99"`
+	// Ratio is P50 over the python3 spawn's P50 (latencies only).
+	Ratio float64 `json:"ratio_to_spawn,omitempty"`
+	Note  string  `json:"note,omitempty"`
+	Err   string  `json:"error,omitempty"`
+}
+
+// Target is one goal of issue 3, checked against this run.
+type Target struct {
+	Name string `json:"name"`
+	Want string `json:"want"`
+	Got  string `json:"got"`
+	Met  bool   `json:"met"`
+}
+
+// Report is the outcome of a run.
+type Report struct {
+	Backend      string        `json:"backend"`
+	ServerArgs   []string      `json:"server_args,omitempty"`
+	ServerEnv    []string      `json:"server_env,omitempty"`
+	Pool         int           `json:"pool"`
+	PoolWorkers  int           `json:"pool_workers"`
+	CPUs         int           `json:"cpus"`
+	Go           string        `json:"go"`
+	Started      time.Time     `json:"started"`
+	Elapsed      time.Duration `json:"elapsed_ns"`
+	Measurements []Measurement `json:"measurements"`
+	Targets      []Target      `json:"targets"`
+}
+
+func (r *Report) get(key string) *Measurement {
+	for i := range r.Measurements {
+		if r.Measurements[i].Key == key {
+			return &r.Measurements[i]
+		}
+	}
+	return nil
+}
+
+type runner struct {
+	opts Options
+	log  *slog.Logger
+	rep  *Report
+}
+
+// Run takes every measurement and checks the targets. A measurement that
+// fails is reported with its error; Run fails only when nothing could be
+// measured.
+func Run(ctx context.Context, opts Options) (*Report, error) {
+	if err := opts.defaults(); err != nil {
+		return nil, err
+	}
+	r := &runner{opts: opts, log: opts.Logger, rep: &Report{
+		Backend: opts.Backend, ServerArgs: opts.ServerArgs, ServerEnv: opts.ServerEnv,
+		Pool: opts.Pool, PoolWorkers: opts.PoolWorkers,
+		CPUs: runtime.NumCPU(), Go: runtime.Version(), Started: time.Now(),
+	}}
+	steps := []struct {
+		key string
+		fn  func(context.Context) error
+	}{
+		{"spawn", r.spawn},
+		{"session", r.session},
+		{"percall", r.perCall},
+		{"throughput", r.throughput},
+		{"pss", r.memory},
+	}
+	var errs []error
+	for _, s := range steps {
+		if r.skipped(s.key) {
+			continue
+		}
+		if err := s.fn(ctx); err != nil {
+			if ctx.Err() != nil {
+				return r.rep, ctx.Err()
+			}
+			errs = append(errs, fmt.Errorf("%s: %w", s.key, err))
+			r.add(Measurement{Key: s.key, Name: s.key, Err: err.Error()})
+		}
+	}
+	r.rep.Elapsed = time.Since(r.rep.Started)
+	r.ratios()
+	r.targets()
+	if len(errs) > 0 && len(errs) == len(r.rep.Measurements) {
+		return r.rep, errors.Join(errs...)
+	}
+	return r.rep, nil
+}
+
+func (r *runner) skipped(key string) bool {
+	for _, s := range r.opts.Skip {
+		if s != "" && strings.HasPrefix(key, s) {
+			return true
+		}
+	}
+	return false
+}
+
+func (r *runner) progress(format string, args ...any) {
+	if r.opts.Progress != nil {
+		fmt.Fprintf(r.opts.Progress, format+"\n", args...)
+	}
+}
+
+func (r *runner) add(m Measurement) { r.rep.Measurements = append(r.rep.Measurements, m) }
+
+// latency adds a row from samples.
+func (r *runner) latency(key, name string, samples []time.Duration, note string) {
+	m := Measurement{Key: key, Name: name, Unit: "ms", N: len(samples), Note: note}
+	m.P50, m.P99 = percentiles(samples)
+	r.add(m)
+}
+
+// percentiles of latencies, in milliseconds.
+func percentiles(samples []time.Duration) (p50, p99 float64) {
+	ms := make([]float64, len(samples))
+	for i, d := range samples {
+		ms[i] = float64(d) / float64(time.Millisecond)
+	}
+	return quantiles(ms)
+}
+
+// quantiles returns the nearest-rank median and 99th percentile.
+func quantiles(vals []float64) (p50, p99 float64) {
+	if len(vals) == 0 {
+		return 0, 0
+	}
+	s := slices.Clone(vals)
+	slices.Sort(s)
+	at := func(q float64) float64 { return s[int(q*float64(len(s)-1)+0.5)] }
+	return at(0.50), at(0.99)
+}
+
+func (r *runner) ratios() {
+	base := r.rep.get("spawn")
+	if base == nil || base.P50 == 0 {
+		return
+	}
+	for i := range r.rep.Measurements {
+		m := &r.rep.Measurements[i]
+		if m.Unit == "ms" && m.Err == "" {
+			m.Ratio = m.P50 / base.P50
+		}
+	}
+}
+
+// --- baselines ---
+
+func (r *runner) spawn(ctx context.Context) error {
+	cases := []struct {
+		key, name, code, want string
+		n                     int
+	}{
+		{"spawn", "python3 -c 'print(2+2)' spawn", "print(2+2)", "4\n", r.opts.Iterations},
+		{"spawn-numpy", "python3 -c 'import numpy, pandas' spawn", "import numpy, pandas", "", max(r.opts.Iterations/5, 5)},
+	}
+	for _, c := range cases {
+		r.progress("measuring %s", c.name)
+		var samples []time.Duration
+		for range c.n {
+			start := time.Now()
+			out, err := exec.CommandContext(ctx, r.opts.Python, "-c", c.code).CombinedOutput()
+			d := time.Since(start)
+			if err != nil || string(out) != c.want {
+				return fmt.Errorf("running %s -c %q: %v: %s", r.opts.Python, c.code, err, out)
+			}
+			samples = append(samples, d)
+		}
+		r.latency(c.key, c.name, samples, r.opts.Python)
+	}
+	return nil
+}
+
+// --- kiln through MCP ---
+
+// server is a `kiln mcp` child process with a connected MCP client.
+type server struct {
+	cmd *exec.Cmd
+	cs  *mcp.ClientSession
+}
+
+func (r *runner) startServer(ctx context.Context, mode string, pool int) (*server, error) {
+	args := []string{"mcp", "--backend", r.opts.Backend, "--mode", mode,
+		"--pool", fmt.Sprint(pool), "--pool-workers", fmt.Sprint(r.opts.PoolWorkers)}
+	args = append(args, r.opts.ServerArgs...)
+	cmd := exec.Command(r.opts.Kiln, args...)
+	cmd.Env = append(os.Environ(), r.opts.ServerEnv...)
+	cmd.Stderr = &logWriter{log: r.log}
+	client := mcp.NewClient(&mcp.Implementation{Name: "kiln-bench", Version: "1"}, nil)
+	cs, err := client.Connect(ctx, &mcp.CommandTransport{Command: cmd, TerminateDuration: 10 * time.Second}, nil)
+	if err != nil {
+		return nil, fmt.Errorf("starting kiln mcp: %w", err)
+	}
+	return &server{cmd: cmd, cs: cs}, nil
+}
+
+func (s *server) close() { s.cs.Close() }
+
+func (s *server) pid() int { return s.cmd.Process.Pid }
+
+// call runs a tool and checks that its text contains want.
+func (s *server) call(ctx context.Context, tool string, args map[string]any, want string) (time.Duration, error) {
+	start := time.Now()
+	res, err := s.cs.CallTool(ctx, &mcp.CallToolParams{Name: tool, Arguments: args})
+	d := time.Since(start)
+	if err != nil {
+		return d, fmt.Errorf("calling %s: %w", tool, err)
+	}
+	text := resultText(res)
+	if res.IsError || !strings.Contains(text, want) {
+		return d, fmt.Errorf("%s answered %q, want %q", tool, text, want)
+	}
+	return d, nil
+}
+
+func resultText(res *mcp.CallToolResult) string {
+	var b strings.Builder
+	for _, c := range res.Content {
+		if t, ok := c.(*mcp.TextContent); ok {
+			b.WriteString(t.Text)
+		}
+	}
+	return b.String()
+}
+
+const (
+	printCode  = "print(2+2)"
+	printWant  = "4"
+	pandasCode = "import pandas as pd\ndf = pd.DataFrame({'x': range(1000)})\nprint(int(df.x.sum()))"
+	pandasWant = "499500"
+)
+
+func runPython(code, session string) map[string]any {
+	args := map[string]any{"code": code}
+	if session != "" {
+		args["session"] = session
+	}
+	return args
+}
+
+func (r *runner) session(ctx context.Context) error {
+	srv, err := r.startServer(ctx, "session", r.opts.Pool)
+	if err != nil {
+		return err
+	}
+	defer srv.close()
+
+	if !r.skipped("session-call") {
+		r.progress("measuring session calls")
+		if _, err := srv.call(ctx, "run_python", runPython(printCode, "bench"), printWant); err != nil {
+			return err
+		}
+		var samples []time.Duration
+		for range r.opts.Iterations {
+			d, err := srv.call(ctx, "run_python", runPython(printCode, "bench"), printWant)
+			if err != nil {
+				return err
+			}
+			samples = append(samples, d)
+		}
+		r.latency("session-call", "session call print(2+2)", samples, "one session, MCP over stdio")
+		srv.call(ctx, "reset_session", map[string]any{"session": "bench"}, "")
+	}
+
+	if !r.skipped("first") {
+		n := max(r.opts.Iterations/5, 5)
+		r.progress("measuring %d first calls on new sessions (%s apart)", n, r.opts.Settle)
+		var samples []time.Duration
+		for i := range n {
+			if err := sleep(ctx, r.opts.Settle); err != nil {
+				return err
+			}
+			name := fmt.Sprintf("first-%d", i)
+			d, err := srv.call(ctx, "run_python", runPython(printCode, name), printWant)
+			if err != nil {
+				return err
+			}
+			samples = append(samples, d)
+			if _, err := srv.call(ctx, "reset_session", map[string]any{"session": name}, ""); err != nil {
+				return err
+			}
+		}
+		r.latency("first-call", "first call on a new session", samples,
+			fmt.Sprintf("pool %d, %s between sessions", r.opts.Pool, r.opts.Settle))
+	}
+	return nil
+}
+
+func (r *runner) perCall(ctx context.Context) error {
+	srv, err := r.startServer(ctx, "per-call", r.opts.Pool)
+	if err != nil {
+		return err
+	}
+	defer srv.close()
+	// The first call also waits for whatever the backend prepares once.
+	if _, err := srv.call(ctx, "run_python", runPython(printCode, ""), printWant); err != nil {
+		return err
+	}
+	cases := []struct{ key, name, code, want string }{
+		{"percall", "per-call print(2+2), fresh sandbox", printCode, printWant},
+		{"percall-pandas", "per-call pandas, fresh sandbox", pandasCode, pandasWant},
+	}
+	for _, c := range cases {
+		if r.skipped(c.key) {
+			continue
+		}
+		r.progress("measuring %s", c.name)
+		if err := sleep(ctx, r.opts.Settle); err != nil {
+			return err
+		}
+		var samples []time.Duration
+		for range r.opts.Iterations {
+			d, err := srv.call(ctx, "run_python", runPython(c.code, ""), c.want)
+			if err != nil {
+				return err
+			}
+			samples = append(samples, d)
+		}
+		r.latency(c.key, c.name, samples, fmt.Sprintf("back to back, pool %d", r.opts.Pool))
+	}
+	return nil
+}
+
+// throughput runs per-call print(2+2) from n concurrent callers on one
+// stdio connection (the server handles calls concurrently) for Duration.
+func (r *runner) throughput(ctx context.Context) error {
+	srv, err := r.startServer(ctx, "per-call", r.opts.Pool)
+	if err != nil {
+		return err
+	}
+	defer srv.close()
+	if _, err := srv.call(ctx, "run_python", runPython(printCode, ""), printWant); err != nil {
+		return err
+	}
+	for _, n := range r.opts.Clients {
+		r.progress("measuring per-call throughput with %d concurrent clients for %s", n, r.opts.Duration)
+		if err := sleep(ctx, r.opts.Settle); err != nil {
+			return err
+		}
+		var (
+			mu      sync.Mutex
+			samples []time.Duration
+			failed  atomic.Int64
+			firstEr error
+			wg      sync.WaitGroup
+		)
+		start := time.Now()
+		deadline := start.Add(r.opts.Duration)
+		for range n {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for time.Now().Before(deadline) && ctx.Err() == nil {
+					d, err := srv.call(ctx, "run_python", runPython(printCode, ""), printWant)
+					mu.Lock()
+					if err != nil {
+						failed.Add(1)
+						if firstEr == nil {
+							firstEr = err
+						}
+					} else {
+						samples = append(samples, d)
+					}
+					mu.Unlock()
+				}
+			}()
+		}
+		wg.Wait()
+		elapsed := time.Since(start)
+		p50, p99 := percentiles(samples)
+		m := Measurement{
+			Key:  fmt.Sprintf("throughput-%d", n),
+			Name: fmt.Sprintf("per-call throughput, %d client%s", n, plural(n)),
+			Unit: "calls/s", N: len(samples),
+			P50:  float64(len(samples)) / elapsed.Seconds(),
+			Note: fmt.Sprintf("latency p50 %.1f ms, p99 %.1f ms", p50, p99),
+		}
+		if f := failed.Load(); f > 0 {
+			m.Err = fmt.Sprintf("%d calls failed, first: %v", f, firstEr)
+		}
+		r.add(m)
+	}
+	return nil
+}
+
+func plural(n int) string {
+	if n == 1 {
+		return ""
+	}
+	return "s"
+}
+
+// memory measures the PSS of idle pooled boxes and of idle sessions.
+func (r *runner) memory(ctx context.Context) error {
+	find := finderFor(r.opts.Backend)
+	n := r.opts.IdleBoxes
+
+	r.progress("measuring PSS of %d idle pooled sandboxes", n)
+	srv, err := r.startServer(ctx, "per-call", n)
+	if err != nil {
+		return err
+	}
+	boxes, err := waitBoxes(ctx, find, srv.pid(), n)
+	if err == nil {
+		r.addPSS("pss-pooled", "PSS per idle pooled sandbox", boxes, srv.pid())
+	}
+	srv.close()
+	if err != nil {
+		return err
+	}
+
+	r.progress("measuring PSS of %d idle sessions", n)
+	srv, err = r.startServer(ctx, "session", 0)
+	if err != nil {
+		return err
+	}
+	defer srv.close()
+	for i := range n {
+		if _, err := srv.call(ctx, "run_python", runPython(printCode, fmt.Sprintf("idle-%d", i)), printWant); err != nil {
+			return err
+		}
+	}
+	boxes, err = waitBoxes(ctx, find, srv.pid(), n)
+	if err != nil {
+		return err
+	}
+	r.addPSS("pss-session", "PSS per idle session", boxes, srv.pid())
+	return nil
+}
+
+func (r *runner) addPSS(key, name string, boxes map[string][]int, serverPid int) {
+	var pss, uss []float64 // MiB
+	procs := 0
+	for _, pids := range boxes {
+		var p, u int64
+		for _, pid := range pids {
+			m, err := readMemory(pid)
+			if err != nil {
+				continue
+			}
+			p += m.Pss
+			u += m.Private
+			procs++
+		}
+		pss = append(pss, float64(p)/1024)
+		uss = append(uss, float64(u)/1024)
+	}
+	p50, p99 := quantiles(pss)
+	u50, _ := quantiles(uss)
+	m := Measurement{Key: key, Name: name, Unit: "MiB", N: len(boxes), P50: p50, P99: p99,
+		Note: fmt.Sprintf("%d processes in %d boxes; private (USS) p50 %.1f MiB", procs, len(boxes), u50),
+	}
+	if shared, ok := sharedMemory(serverPid, boxes); ok {
+		m.Note += fmt.Sprintf("; the server's other helpers (a zygote) %.1f MiB PSS", float64(shared)/1024)
+	}
+	r.add(m)
+}
+
+// waitBoxes waits until the server has at least n boxes and their memory
+// has stopped growing (the kernels finished importing).
+func waitBoxes(ctx context.Context, find boxFinder, pid, n int) (map[string][]int, error) {
+	deadline := time.Now().Add(2 * time.Minute)
+	var last int64 = -1
+	for time.Now().Before(deadline) {
+		if err := sleep(ctx, 500*time.Millisecond); err != nil {
+			return nil, err
+		}
+		boxes, err := find(pid)
+		if err != nil {
+			return nil, err
+		}
+		if len(boxes) < n {
+			continue
+		}
+		var total int64
+		for _, pids := range boxes {
+			for _, p := range pids {
+				if m, err := readMemory(p); err == nil {
+					total += m.Rss
+				}
+			}
+		}
+		if total == last {
+			return boxes, nil
+		}
+		last = total
+	}
+	return nil, fmt.Errorf("the server did not reach %d idle boxes in time", n)
+}
+
+func sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// --- targets ---
+
+func (r *runner) targets() {
+	get := func(k string) (float64, bool) {
+		m := r.rep.get(k)
+		if m == nil || m.Err != "" {
+			return 0, false
+		}
+		return m.P50, true
+	}
+	spawn, okSpawn := get("spawn")
+	add := func(name, want string, got float64, ok bool, unit string, met bool) {
+		t := Target{Name: name, Want: want}
+		if !ok {
+			t.Got = "not measured"
+		} else {
+			t.Got = fmt.Sprintf("%.1f %s", got, unit)
+			t.Met = met
+		}
+		r.rep.Targets = append(r.rep.Targets, t)
+	}
+	if v, ok := get("session-call"); true {
+		add("session call p50", fmt.Sprintf("≤ 0.25× spawn (%.1f ms)", 0.25*spawn), v, ok && okSpawn, "ms", v <= 0.25*spawn)
+	}
+	if v, ok := get("percall"); true {
+		add("per-call fresh sandbox p50", fmt.Sprintf("≤ 0.5× spawn (%.1f ms)", 0.5*spawn), v, ok && okSpawn, "ms", v <= 0.5*spawn)
+	}
+	if v, ok := get("percall-pandas"); true {
+		add("pandas call in a fresh sandbox p50", "≤ 30 ms", v, ok, "ms", v <= 30)
+	}
+	if v, ok := get("pss-pooled"); true {
+		add("PSS per idle pooled sandbox p50", "≤ 8 MiB", v, ok, "MiB", v <= 8)
+	}
+	best, okT := 0.0, false
+	for _, m := range r.rep.Measurements {
+		if strings.HasPrefix(m.Key, "throughput-") && m.Err == "" {
+			best, okT = max(best, m.P50), true
+		}
+	}
+	add("per-call executions per second (best level)", "≥ 100", best, okT, "calls/s", best >= 100)
+}
+
+// --- output ---
+
+// WriteTable prints the report as a table.
+func (rep *Report) WriteTable(w io.Writer) {
+	fmt.Fprintf(w, "kiln bench: backend %s, pool %d (%d worker%s), %d CPUs, %s, %s\n",
+		rep.Backend, rep.Pool, rep.PoolWorkers, plural(rep.PoolWorkers), rep.CPUs, rep.Go, rep.Elapsed.Round(time.Second))
+	if len(rep.ServerArgs) > 0 || len(rep.ServerEnv) > 0 {
+		fmt.Fprintf(w, "server: %s %s\n", strings.Join(rep.ServerEnv, " "), strings.Join(rep.ServerArgs, " "))
+	}
+	fmt.Fprintf(w, "\n%-44s %6s %12s %12s %9s  %s\n", "measurement", "n", "p50", "p99", "× spawn", "notes")
+	for _, m := range rep.Measurements {
+		if m.Err != "" && m.N == 0 {
+			fmt.Fprintf(w, "%-44s %6s %12s %12s %9s  error: %s\n", m.Name, "-", "-", "-", "-", m.Err)
+			continue
+		}
+		p50 := fmt.Sprintf("%.1f %s", m.P50, m.Unit)
+		p99 := fmt.Sprintf("%.1f %s", m.P99, m.Unit)
+		if m.Unit == "calls/s" {
+			p99 = "-"
+		}
+		ratio := "-"
+		if m.Ratio > 0 {
+			ratio = fmt.Sprintf("%.2f", m.Ratio)
+		}
+		note := m.Note
+		if m.Err != "" {
+			note += "; error: " + m.Err
+		}
+		fmt.Fprintf(w, "%-44s %6d %12s %12s %9s  %s\n", m.Name, m.N, p50, p99, ratio, note)
+	}
+	if len(rep.Targets) > 0 {
+		fmt.Fprintf(w, "\n%-44s %-26s %-14s %s\n", "target", "want", "got", "")
+		for _, t := range rep.Targets {
+			verdict := "met"
+			if !t.Met {
+				verdict = "NOT met"
+			}
+			if t.Got == "not measured" {
+				verdict = ""
+			}
+			fmt.Fprintf(w, "%-44s %-26s %-14s %s\n", t.Name, t.Want, t.Got, verdict)
+		}
+	}
+}
+
+// logWriter forwards the server's stderr to the logger, a line at a time.
+type logWriter struct {
+	log *slog.Logger
+	mu  sync.Mutex
+	buf []byte
+}
+
+func (l *logWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.buf = append(l.buf, p...)
+	for {
+		i := strings.IndexByte(string(l.buf), '\n')
+		if i < 0 {
+			break
+		}
+		l.log.Debug("kiln mcp", "line", string(l.buf[:i]))
+		l.buf = l.buf[i+1:]
+	}
+	return len(p), nil
+}

@@ -1,0 +1,106 @@
+package cli
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"strconv"
+	"time"
+
+	"kiln/internal/bench"
+)
+
+const benchUsage = `Usage: kiln bench [flags] [-- kiln mcp flags]
+
+Measures, in one run and side by side: a bare python3 spawn (with and
+without numpy and pandas), a session call, the first call of a new
+session, a per-call run in a fresh sandbox (print and pandas), per-call
+throughput at several concurrencies, and the PSS of idle sandboxes. Every
+kiln figure goes through a real MCP client talking to "kiln mcp" over
+stdio. Flags after "--" are passed to every "kiln mcp".
+
+`
+
+func runBench(args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("kiln bench", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() { fmt.Fprint(stderr, benchUsage); fs.PrintDefaults() }
+	var (
+		opts    bench.Options
+		clients string
+		skip    string
+		zygote  string
+		jsonOut = fs.String("json", "", "also write the report as JSON to this file")
+		verbose = fs.Bool("v", false, "show the servers' logs on stderr")
+	)
+	fs.StringVar(&opts.Backend, "backend", "jail", "backend of the kiln servers under test")
+	fs.StringVar(&opts.Python, "python", "/usr/bin/python3", "interpreter of the bare-spawn baselines")
+	fs.IntVar(&opts.Iterations, "n", 50, "samples per latency")
+	fs.DurationVar(&opts.Duration, "duration", 5*time.Second, "length of each throughput run")
+	fs.StringVar(&clients, "clients", "1,2,8", "concurrent clients of the throughput runs")
+	fs.IntVar(&opts.Pool, "pool", 2, "--pool of the servers (sandboxes kept ready)")
+	fs.IntVar(&opts.PoolWorkers, "pool-workers", 1, "--pool-workers of the servers")
+	fs.IntVar(&opts.IdleBoxes, "idle", 4, "idle sandboxes and sessions the memory figures look at")
+	fs.DurationVar(&opts.Settle, "settle", time.Second, "pause before each first call on a new session and each series")
+	fs.StringVar(&skip, "skip", "", "comma-separated measurements to leave out: spawn, session, first, percall, pandas, throughput, pss")
+	fs.StringVar(&zygote, "zygote", "", "jail: 1 to fork boxes from a zygote, 0 not to (default: the server's own default)")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	opts.ServerArgs = fs.Args()
+	for _, s := range splitList(clients) {
+		n, err := strconv.Atoi(s)
+		if err != nil || n <= 0 {
+			return fmt.Errorf("--clients: %q is not a positive number", s)
+		}
+		opts.Clients = append(opts.Clients, n)
+	}
+	for _, s := range splitList(skip) {
+		if s == "pandas" {
+			s = "percall-pandas"
+		}
+		opts.Skip = append(opts.Skip, s)
+	}
+	if zygote != "" {
+		opts.ServerEnv = append(opts.ServerEnv, "KILN_JAIL_ZYGOTE="+zygote)
+	}
+	if opts.Pool == 0 {
+		opts.Pool = -1 // bench.Options: negative means no pool
+	}
+	opts.Progress = stderr
+	opts.Logger = slog.New(slog.DiscardHandler)
+	if *verbose {
+		opts.Logger = slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	ctx, cancel := signalContext()
+	defer cancel()
+	rep, err := bench.Run(ctx, opts)
+	if rep != nil {
+		fmt.Fprintln(stdout)
+		rep.WriteTable(stdout)
+		if *jsonOut != "" {
+			if werr := writeJSON(*jsonOut, rep); werr != nil {
+				return werr
+			}
+		}
+	}
+	if err != nil && ctx.Err() != nil {
+		return context.Cause(ctx)
+	}
+	return err
+}
+
+func writeJSON(path string, v any) error {
+	b, err := json.MarshalIndent(v, "", "  ")
+	if err != nil {
+		return fmt.Errorf("encoding report: %w", err)
+	}
+	if err := os.WriteFile(path, append(b, '\n'), 0o644); err != nil {
+		return fmt.Errorf("writing report: %w", err)
+	}
+	return nil
+}
