@@ -86,7 +86,9 @@ func (e *buildError) Error() string { return e.err.Error() + ": " + e.out }
 func newTestBackend(tb testing.TB, opts Options) *Backend {
 	tb.Helper()
 	opts.Runsc = testRunsc(tb)
-	opts.Agent = testAgent(tb)
+	if opts.Agent == "" {
+		opts.Agent = testAgent(tb)
+	}
 	if opts.StateDir == "" {
 		opts.StateDir = tb.TempDir()
 	}
@@ -184,6 +186,9 @@ func TestColdBox(t *testing.T) {
 	defer sb.Close()
 	if got := run(t, sb, "print(2+2)"); strings.TrimSpace(got) != "4" {
 		t.Errorf("print(2+2) = %q", got)
+	}
+	if got, want := strings.TrimSpace(run(t, sb, "import sys; print(sys.version.split()[0])")), b.Runtime().Python; got != want {
+		t.Errorf("python in the box is %q, Runtime says %q", got, want)
 	}
 	if out, _ := exec.Command("pgrep", "-f", b.dir).Output(); len(out) == 0 {
 		t.Errorf("no host process of the box matches %s: the leftover check is blind", b.dir)

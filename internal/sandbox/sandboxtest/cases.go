@@ -3,6 +3,7 @@ package sandboxtest
 import (
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -153,8 +154,18 @@ print("\n".join(out))`, port)
 	}},
 	{"a memory bomb is killed and the box answers afterwards", func(t *testing.T, s *suite) {
 		box := s.box(t)
-		r := py(t, s, box, "x = bytearray(2 << 30)\nx[::4096] = b'1' * len(x[::4096])")
-		if r.Error == nil {
+		const bomb = "x = bytearray(2 << 30)\nx[::4096] = b'1' * len(x[::4096])"
+		if s.opts.MemoryBombKillsBox {
+			res, err := box.RunPython(s.ctx(t, 60*time.Second), bomb, sandbox.ExecOptions{})
+			switch {
+			case err != nil && !errors.Is(err, sandbox.ErrDied):
+				t.Fatalf("memory bomb: %v, want %v or an error result", err, sandbox.ErrDied)
+			case err == nil && res.Error == nil:
+				t.Fatalf("allocated 2 GiB under a %d MiB limit", s.opts.Limits.MemoryBytes>>20)
+			}
+			box.Close()
+			box = s.box(t)
+		} else if r := py(t, s, box, bomb); r.Error == nil {
 			t.Fatalf("allocated 2 GiB under a %d MiB limit", s.opts.Limits.MemoryBytes>>20)
 		}
 		if r := py(t, s, box, "2 + 2"); r.value() != "4" {

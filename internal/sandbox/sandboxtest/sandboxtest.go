@@ -27,6 +27,13 @@ type Options struct {
 	// HostProcesses is true when the box's processes are host processes
 	// (jail), so the suite can look for leftovers in the host's /proc.
 	HostProcesses bool
+	// MemoryBombKillsBox is true when going over the memory limit kills
+	// the whole box rather than the process inside it (gVisor: no OOM
+	// killer inside the sandbox, the host cgroup kills the sandbox). The
+	// memory bomb then must end in sandbox.ErrDied or an error result, and
+	// a new box from the backend must work; the session layer replaces a
+	// box that died.
+	MemoryBombKillsBox bool
 }
 
 var (
