@@ -17,6 +17,9 @@ import (
 const (
 	maxListEntries = 1000
 	maxWriteBytes  = 32 << 20
+	// maxReadBytes caps one read whatever the host asks: a sparse file
+	// can claim terabytes, and the response must fit in a frame.
+	maxReadBytes = 32 << 20
 )
 
 // Every file operation goes through an os.Root opened on the workspace: the
@@ -154,11 +157,35 @@ func (a *Agent) writeFile(p string, data []byte) error {
 			a.chown(root, d)
 		}
 	}
-	if err := root.WriteFile(rel, data, 0o644); err != nil {
+	if err := writeRegular(root, rel, data); err != nil {
 		return pathErr(p, err)
 	}
 	a.chown(root, rel)
 	return nil
+}
+
+// writeRegular writes data to rel, refusing anything but a regular file: a
+// FIFO planted in the workspace would block the write forever, a device
+// node would be written through. O_NONBLOCK keeps the open itself from
+// waiting for a FIFO's reader.
+func writeRegular(root *os.Root, rel string, data []byte) error {
+	f, err := root.OpenFile(rel, os.O_WRONLY|os.O_CREATE|syscall.O_NONBLOCK, 0o644)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if st, err := f.Stat(); err != nil {
+		return err
+	} else if !st.Mode().IsRegular() {
+		return errors.New("not a regular file")
+	}
+	if err := f.Truncate(0); err != nil {
+		return err
+	}
+	if _, err := f.Write(data); err != nil {
+		return err
+	}
+	return f.Close()
 }
 
 func (a *Agent) readFile(p string, max int64) ([]byte, int64, error) {
@@ -185,6 +212,7 @@ func (a *Agent) readFile(p string, max int64) ([]byte, int64, error) {
 	if max <= 0 || max > st.Size() {
 		max = st.Size()
 	}
+	max = min(max, maxReadBytes)
 	data, err := io.ReadAll(io.LimitReader(f, max))
 	if err != nil {
 		return nil, 0, pathErr(p, err)
