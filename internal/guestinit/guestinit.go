@@ -48,6 +48,8 @@ type Config struct {
 	Inodes         int64  // files in the workspace and in /tmp, each
 	UID, GID       int    // owner of the workspace (the user that runs code)
 	Hostname       string
+	Pids           int // RLIMIT_NPROC inherited by the code's processes
+	OpenFiles      int // RLIMIT_NOFILE
 }
 
 // Params are the kiln.* kernel command line parameters the host sets.
@@ -57,6 +59,8 @@ type Params struct {
 	Inodes         int64  // kiln.inodes
 	UID, GID       int    // kiln.uid, kiln.gid
 	Hostname       string // kiln.hostname
+	Pids           int    // kiln.pids
+	OpenFiles      int    // kiln.nofile
 	Port           string // kiln.port: the virtio-serial port name
 	Root           string // root= (stage 1)
 	RootFSType     string // rootfstype= (stage 1)
@@ -70,6 +74,8 @@ var defaults = Params{
 	UID:            1000,
 	GID:            1000,
 	Hostname:       "kiln",
+	Pids:           256,
+	OpenFiles:      1024,
 	Port:           PortName,
 	Root:           "/dev/vda",
 	RootFSType:     "ext4",
@@ -100,6 +106,10 @@ func ParseCmdline(cmdline string) Params {
 			setInt(&p.UID, v)
 		case "kiln.gid":
 			setInt(&p.GID, v)
+		case "kiln.pids":
+			setInt(&p.Pids, v)
+		case "kiln.nofile":
+			setInt(&p.OpenFiles, v)
 		case "kiln.hostname":
 			if validHostname(v) {
 				p.Hostname = v
@@ -158,6 +168,12 @@ func (cfg Config) merge(p Params) Config {
 	}
 	if cfg.Hostname == "" {
 		cfg.Hostname = p.Hostname
+	}
+	if cfg.Pids == 0 {
+		cfg.Pids = p.Pids
+	}
+	if cfg.OpenFiles == 0 {
+		cfg.OpenFiles = p.OpenFiles
 	}
 	return cfg
 }

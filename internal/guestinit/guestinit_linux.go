@@ -168,6 +168,17 @@ func setupRoot(cfg Config) (string, error) {
 	if err := loopbackUp(); err != nil {
 		return "", err
 	}
+	// Inherited by everything the agent starts. Root ignores NPROC, so it
+	// bounds only the unprivileged user that runs the code.
+	for _, rl := range []struct {
+		res int
+		n   int
+	}{{unix.RLIMIT_NPROC, cfg.Pids}, {unix.RLIMIT_NOFILE, cfg.OpenFiles}} {
+		lim := unix.Rlimit{Cur: uint64(rl.n), Max: uint64(rl.n)}
+		if err := unix.Setrlimit(rl.res, &lim); err != nil {
+			return "", fmt.Errorf("setting rlimit %d: %w", rl.res, err)
+		}
+	}
 	return findPort(p.Port)
 }
 

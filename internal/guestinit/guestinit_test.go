@@ -1,0 +1,74 @@
+package guestinit
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+func TestParseCmdline(t *testing.T) {
+	for _, tc := range []struct {
+		name, in string
+		want     func(*Params)
+	}{
+		{"empty", "", func(*Params) {}},
+		{"kiln params", "console=ttyS0 root=/dev/vdb rootfstype=squashfs kiln.work_size=1048576 kiln.tmp_size=2048 kiln.inodes=99 kiln.uid=1001 kiln.gid=1002 kiln.hostname=box-1 kiln.pids=64 kiln.nofile=128 kiln.port=p",
+			func(p *Params) {
+				p.Root, p.RootFSType = "/dev/vdb", "squashfs"
+				p.WorkspaceBytes, p.TmpBytes, p.Inodes = 1048576, 2048, 99
+				p.UID, p.GID, p.Hostname, p.Pids, p.OpenFiles, p.Port = 1001, 1002, "box-1", 64, 128, "p"
+			}},
+		{"malformed values keep defaults", "kiln.work_size=-5 kiln.tmp_size=abc kiln.uid=-1 kiln.hostname=bad/name kiln.inodes=", func(*Params) {}},
+		{"init args ignored", "ro -- kiln.work_size=5 -guest", func(*Params) {}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			want := defaults
+			tc.want(&want)
+			if d := cmp.Diff(want, ParseCmdline(tc.in)); d != "" {
+				t.Errorf("ParseCmdline(%q) (-want +got):\n%s", tc.in, d)
+			}
+		})
+	}
+}
+
+func TestMerge(t *testing.T) {
+	p := defaults
+	p.WorkspaceBytes = 7
+	got := Config{TmpBytes: 9, Hostname: "h"}.merge(p)
+	want := Config{Workspace: "/work", WorkspaceBytes: 7, TmpBytes: 9, Inodes: p.Inodes, UID: 1000, GID: 1000, Hostname: "h", Pids: p.Pids, OpenFiles: p.OpenFiles}
+	if d := cmp.Diff(want, got); d != "" {
+		t.Errorf("merge (-want +got):\n%s", d)
+	}
+}
+
+// TestMounts pins the security-relevant properties of the mount table.
+func TestMounts(t *testing.T) {
+	cfg := Config{Workspace: "/work", WorkspaceBytes: 1 << 20, TmpBytes: 2 << 20, Inodes: 10, UID: 1000, GID: 1000}
+	seen := map[string]mount{}
+	for _, m := range mounts(cfg) {
+		seen[m.target] = m
+		if m.flags&msNosuid == 0 {
+			t.Errorf("%s is mounted without nosuid", m.target)
+		}
+	}
+	for target, want := range map[string]string{
+		"/work": "size=1048576,nr_inodes=10,uid=1000,gid=1000",
+		"/tmp":  "size=2097152,nr_inodes=10",
+		"/proc": "hidepid=2",
+	} {
+		if !strings.Contains(seen[target].data, want) {
+			t.Errorf("%s mounted with %q, want it to contain %q", target, seen[target].data, want)
+		}
+	}
+	if seen["/sys"].flags&msRdonly == 0 {
+		t.Error("/sys is writable")
+	}
+}
+
+func TestParseModules(t *testing.T) {
+	got := ParseModules("# order\n/lib/modules/a.ko\n\n  /lib/modules/b.ko  \n")
+	if d := cmp.Diff([]string{"/lib/modules/a.ko", "/lib/modules/b.ko"}, got); d != "" {
+		t.Error(d)
+	}
+}

@@ -1,0 +1,28 @@
+//go:build !linux
+
+package microvm
+
+import (
+	"context"
+	"log/slog"
+
+	"kiln/internal/sandbox"
+)
+
+// Backend is the microVM backend; it runs on Linux only.
+type Backend struct {
+	opts  Options
+	log   *slog.Logger
+	notes []string
+}
+
+// New reports that microVMs are not supported on this OS.
+func New(opts Options) (*Backend, error) { return nil, sandbox.ErrUnsupported }
+
+func (b *Backend) Check(ctx context.Context) error { return sandbox.ErrUnsupported }
+
+func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbox, error) {
+	return nil, sandbox.ErrUnsupported
+}
+
+func (b *Backend) Close() error { return nil }

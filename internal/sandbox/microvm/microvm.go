@@ -1,0 +1,115 @@
+// Package microvm is kiln's microVM backend: every box is a QEMU microvm
+// with its own guest kernel, whose PID 1 is kiln-agent (see package
+// guestinit), talking to the host over virtio-serial.
+//
+// Boxes are not booted: per image and shape (memory, vCPUs, limits,
+// preloaded modules) a template VM is booted once, waits for the agent's
+// hello (Python and its libraries imported), and is saved as a migration
+// stream plus a guest RAM file. Every Create starts a clone that maps that
+// RAM file copy-on-write (memory-backend-file, share=off) and loads the
+// small device state (x-ignore-shared), so clones share the template's
+// memory until they write to it.
+//
+// Hardware virtualization (-accel kvm) is the default. Software emulation
+// (TCG) is only for development and tests: it is slow, and it is not a
+// security boundary; it must be asked for with Options.Accel = "tcg".
+//
+// A Firecracker driver for hosts that have it lives in firecracker.go.
+package microvm
+
+import (
+	"errors"
+	"log/slog"
+	"regexp"
+	"time"
+
+	"kiln/internal/image"
+	"kiln/internal/sandbox"
+)
+
+// Accelerators.
+const (
+	AccelKVM = "kvm"
+	AccelTCG = "tcg"
+)
+
+// Sentinel errors of the package.
+var (
+	ErrNoImage   = errors.New("microvm: no guest image (run kiln image build)")
+	ErrNoKVM     = errors.New("microvm: hardware virtualization (/dev/kvm) is not usable; software emulation must be asked for explicitly (accel tcg), and is not a security boundary")
+	ErrBadAccel  = errors.New("microvm: accelerator must be kvm or tcg")
+	ErrNoQEMU    = errors.New("microvm: qemu-system-x86_64 not found (install the Debian package qemu-system-x86)")
+	errTplFailed = errors.New("microvm: template failed")
+)
+
+// Options configure the backend. Image is required; zero fields take
+// defaults.
+type Options struct {
+	// Image is the guest image (image.Build, image.Lookup, image.Latest).
+	Image *image.Image
+	// QEMU is the emulator binary; default qemu-system-x86_64 from PATH.
+	QEMU string
+	// Accel is "kvm" (default) or "tcg". TCG is never chosen silently.
+	Accel string
+	// ColdBoot boots every box from scratch instead of restoring a clone
+	// of a template. Slower; for measuring and debugging.
+	ColdBoot bool
+	// StateDir keeps templates (RAM file, device state, hello) across
+	// runs; default os.UserCacheDir()/kiln/microvm.
+	StateDir string
+	// RunDir holds per-VM files (console logs); default
+	// os.TempDir()/kiln-microvm-<pid>, removed by Close.
+	RunDir string
+	// Cgroup names the cgroup under which each VM's QEMU gets its own;
+	// default "kiln-microvm". NoCgroup runs QEMU without one (non-root).
+	Cgroup   string
+	NoCgroup bool
+	// NoNamespaces runs QEMU in the host's namespaces instead of new net,
+	// ipc, uts, mount and pid namespaces (non-root).
+	NoNamespaces bool
+	// NoSeccomp leaves out QEMU's -sandbox filter.
+	NoSeccomp bool
+	// BootTimeout bounds booting a template (or a cold box) to its hello;
+	// default 60s under KVM, 5m under TCG.
+	BootTimeout time.Duration
+	// Verbose keeps the guest kernel's messages and runs the agent with -v;
+	// the console goes to RunDir/<id>/console.log either way.
+	Verbose bool
+	Logger  *slog.Logger
+}
+
+// Name implements sandbox.Backend.
+func (b *Backend) Name() string { return "microvm" }
+
+// Accel reports the accelerator in use: "kvm" or "tcg".
+func (b *Backend) Accel() string { return b.opts.Accel }
+
+// Notes are warnings for kiln doctor and the logs about how this backend
+// runs here (software emulation, missing cgroups).
+func (b *Backend) Notes() []string { return b.notes }
+
+// Runtime implements sandbox.Describer.
+func (b *Backend) Runtime() sandbox.Runtime {
+	return sandbox.Runtime{Python: b.opts.Image.Python, Libraries: b.opts.Image.Libraries}
+}
+
+var (
+	_ sandbox.Backend   = (*Backend)(nil)
+	_ sandbox.Checker   = (*Backend)(nil)
+	_ sandbox.Describer = (*Backend)(nil)
+)
+
+// moduleName is what a preloaded module name may look like: it goes on the
+// guest kernel's command line.
+var moduleName = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$`)
+
+// cleanPreload drops module names that are not plain dotted identifiers.
+func cleanPreload(mods []string) []string {
+	var out []string
+	for _, m := range mods {
+		if moduleName.MatchString(m) && len(m) < 100 {
+			out = append(out, m)
+		}
+	}
+	return out
+}

@@ -1,0 +1,161 @@
+package microvm
+
+import (
+	"fmt"
+	"math"
+	"strconv"
+	"strings"
+
+	"kiln/internal/guestinit"
+	"kiln/internal/sandbox"
+)
+
+// File descriptors the QEMU child inherits (exec.Cmd.ExtraFiles start at 3).
+const (
+	fdAgent = 3 // our end of a socketpair: the agent's virtio-serial port
+	fdQMP   = 4 // our end of a socketpair: QMP
+	fdState = 5 // the migration stream: written by a template, read by a clone
+)
+
+// vmConfig is everything that shapes one QEMU command line. Template and
+// clones of it must agree on everything but MemShared and Incoming, or the
+// migration stream will not load.
+type vmConfig struct {
+	QEMU      string
+	Accel     string // "kvm" or "tcg"
+	MemoryMiB int64
+	CPUs      int
+	Kernel    string
+	Initrd    string
+	Rootfs    string
+	Cmdline   string
+	MemFile   string // guest RAM file; "" for anonymous RAM (cold boot)
+	MemShared bool   // share=on: a template writes its RAM to MemFile
+	Incoming  bool   // -incoming defer: a clone waits for its state
+	Console   string // file that receives the guest console
+	VMGenID   string // a fresh GUID per VM: the guest reseeds its RNG on restore
+	Seccomp   bool   // -sandbox on with the dangerous groups denied
+}
+
+// args returns QEMU's arguments. The machine is QEMU's microvm: no PCI, no
+// firmware, virtio-mmio devices found through ACPI; no network device.
+func (c vmConfig) args() []string {
+	cpu := "max"
+	accel := "tcg,tb-size=256"
+	if c.Accel == "kvm" {
+		cpu, accel = "host", "kvm"
+	}
+	a := []string{
+		"-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+		"-machine", "microvm,acpi=on,rtc=on,isa-serial=on",
+		"-accel", accel,
+		"-cpu", cpu,
+		"-smp", fmt.Sprint(c.CPUs),
+		"-m", fmt.Sprintf("%dM", c.MemoryMiB),
+		"-kernel", c.Kernel,
+		"-initrd", c.Initrd,
+		"-append", c.Cmdline,
+		"-drive", "id=root,if=none,format=raw,readonly=on,file=" + escapeOpt(c.Rootfs),
+		"-device", "virtio-blk-device,drive=root",
+		"-device", "virtio-serial-device,max_ports=2",
+		"-chardev", fmt.Sprintf("socket,id=agent,fd=%d", fdAgent),
+		"-device", "virtserialport,chardev=agent,name=" + guestinit.PortName,
+		"-device", "virtio-rng-device",
+		"-chardev", fmt.Sprintf("socket,id=qmp,fd=%d", fdQMP),
+		"-mon", "chardev=qmp,mode=control",
+	}
+	if c.Console != "" {
+		a = append(a, "-chardev", "file,id=con,path="+escapeOpt(c.Console), "-serial", "chardev:con")
+	} else {
+		a = append(a, "-serial", "null")
+	}
+	if c.MemFile != "" {
+		share := "off"
+		if c.MemShared {
+			share = "on"
+		}
+		a = append(a,
+			"-object", fmt.Sprintf("memory-backend-file,id=ram,size=%dM,mem-path=%s,share=%s", c.MemoryMiB, escapeOpt(c.MemFile), share),
+			"-machine", "memory-backend=ram")
+	}
+	if c.VMGenID != "" {
+		a = append(a, "-device", "vmgenid,guid="+c.VMGenID)
+	}
+	if c.Incoming {
+		a = append(a, "-incoming", "defer")
+	}
+	if c.Seccomp {
+		a = append(a, "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny")
+	}
+	return a
+}
+
+// escapeOpt doubles commas, QEMU's escape inside option values.
+func escapeOpt(s string) string { return strings.ReplaceAll(s, ",", ",,") }
+
+// guestUID is the unprivileged user that runs code in the guest (the image
+// creates it).
+const guestUID = 1000
+
+// kernelCmdline is the guest kernel's command line: the box's limits as
+// kiln.* parameters for guestinit, and kiln-agent's flags after "--".
+// tscKHz, when not zero, is given to the guest as tsc_early_khz: under TCG
+// the guest's TSC runs at the host's rate, and calibrating it against the
+// emulated PIT fails on a busy host and hangs the boot.
+func kernelCmdline(l sandbox.Limits, preload []string, verbose bool, tscKHz int64) string {
+	w := []string{
+		"console=ttyS0", "root=/dev/vda", "rootfstype=ext4", "ro", "panic=-1",
+		"reboot=t", "tsc=reliable", "no_timer_check", "random.trust_cpu=on",
+	}
+	if tscKHz > 0 {
+		w = append(w, fmt.Sprintf("tsc_early_khz=%d", tscKHz))
+	}
+	if !verbose {
+		w = append(w, "quiet", "loglevel=3")
+	}
+	w = append(w,
+		fmt.Sprintf("kiln.work_size=%d", l.WorkspaceBytes),
+		fmt.Sprintf("kiln.tmp_size=%d", l.TmpBytes),
+		fmt.Sprintf("kiln.inodes=%d", l.Inodes),
+		fmt.Sprintf("kiln.pids=%d", l.Pids),
+		fmt.Sprintf("kiln.nofile=%d", l.OpenFiles),
+		fmt.Sprintf("kiln.uid=%d", guestUID),
+		fmt.Sprintf("kiln.gid=%d", guestUID),
+		"--", "-guest",
+		fmt.Sprintf("-uid=%d", guestUID),
+		fmt.Sprintf("-gid=%d", guestUID),
+	)
+	if len(preload) > 0 {
+		w = append(w, "-preload="+strings.Join(preload, ","))
+	}
+	if verbose {
+		w = append(w, "-v")
+	}
+	return strings.Join(w, " ")
+}
+
+// guestShape turns limits into VM size: RAM in MiB (at least 256, which the
+// kernel, the agent and an imported pandas need) and whole vCPUs.
+func guestShape(l sandbox.Limits) (memMiB int64, cpus int) {
+	memMiB = max(l.MemoryBytes>>20, 256)
+	cpus = max(int(math.Ceil(l.CPUs)), 1)
+	return memMiB, cpus
+}
+
+// hostTSCKHz reads the host CPU's clock from /proc/cpuinfo ("cpu MHz"),
+// which is the TSC rate on the hosts kiln's TCG mode is meant for. It
+// returns 0 when it cannot tell.
+func hostTSCKHz(cpuinfo string) int64 {
+	for _, line := range strings.Split(cpuinfo, "\n") {
+		k, v, ok := strings.Cut(line, ":")
+		if !ok || strings.TrimSpace(k) != "cpu MHz" {
+			continue
+		}
+		mhz, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+		if err != nil || mhz <= 0 {
+			return 0
+		}
+		return int64(mhz * 1000)
+	}
+	return 0
+}
