@@ -19,7 +19,7 @@ const (
 	maxWriteBytes  = 32 << 20
 	// maxReadBytes caps one read whatever the host asks: a sparse file
 	// can claim terabytes, and the response must fit in a frame.
-	maxReadBytes = 32 << 20
+	maxReadBytes = 16 << 20
 )
 
 // Every file operation goes through an os.Root opened on the workspace: the

@@ -87,6 +87,7 @@ func New(opts Options) (*Backend, error) {
 	} else if n := b.cgroups.removeOrphans(); n > 0 {
 		b.log.Info("removed orphaned boxes of a previous kiln", "count", n)
 	}
+	b.removeOrphanedState()
 	return b, nil
 }
 
@@ -134,7 +135,7 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (_ sandbox.Sand
 		}
 		cl.push(cg.destroy)
 	}
-	root, err := os.MkdirTemp(b.opts.StateDir, "root-")
+	root, err := os.MkdirTemp(b.opts.StateDir, statePrefix(os.Getpid()))
 	if err != nil {
 		return nil, fmt.Errorf("creating mount point: %w", err)
 	}

@@ -108,6 +108,7 @@ func RunWith(t *testing.T, b sandbox.Backend, opts Options) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) { c.fn(t, s) })
 	}
+	runHostile(t, s)
 }
 
 func (s *suite) timeout(d time.Duration) time.Duration {
