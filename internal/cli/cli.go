@@ -331,9 +331,14 @@ func runServe(args []string, stderr io.Writer) error {
 		return err
 	case <-ctx.Done():
 	}
-	sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
+	// In-flight calls get a moment to finish; idle keep-alive connections
+	// (clients that went away) must not hold the exit up.
+	sctx, scancel := context.WithTimeout(context.Background(), time.Second)
 	defer scancel()
-	return hs.Shutdown(sctx)
+	if err := hs.Shutdown(sctx); err != nil {
+		return hs.Close()
+	}
+	return nil
 }
 
 func runOnce(args []string, stdout, stderr io.Writer) (int, error) {
