@@ -7,6 +7,7 @@
 package agentproto
 
 import (
+	"bytes"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -131,13 +132,21 @@ func ReadFrame(r io.Reader, v any) error {
 	if n > MaxFrame {
 		return ErrFrameTooLarge
 	}
-	b := make([]byte, n)
-	if _, err := io.ReadFull(r, b); err != nil {
+	// Grow the buffer as bytes arrive rather than trusting the header: a
+	// peer that announces MaxFrame and sends nothing costs nothing.
+	var buf bytes.Buffer
+	if n > 1<<20 {
+		buf.Grow(1 << 20)
+	} else {
+		buf.Grow(int(n))
+	}
+	if _, err := io.CopyN(&buf, r, int64(n)); err != nil {
 		if err == io.EOF {
 			err = io.ErrUnexpectedEOF
 		}
 		return err
 	}
+	b := buf.Bytes()
 	if err := json.Unmarshal(b, v); err != nil {
 		return fmt.Errorf("decoding frame: %w", err)
 	}

@@ -290,7 +290,7 @@ func runMCP(args []string, stdout, stderr io.Writer) error {
 	defer st.close()
 	log.Info("kiln serving MCP on stdio", "backend", c.backend, "mode", c.mode)
 	// Only protocol goes to stdout: the transport owns os.Stdout.
-	err = st.srv.MCP().Run(ctx, &mcp.StdioTransport{})
+	err = st.srv.MCP().Run(ctx, mcpserver.NewStdioTransport(os.Stdin, os.Stdout))
 	if err != nil && ctx.Err() == nil && !errors.Is(err, io.EOF) {
 		return err
 	}

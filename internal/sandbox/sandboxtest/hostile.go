@@ -206,8 +206,16 @@ ok`)
 		if r.value() != "[]" {
 			t.Errorf("allowed in the box: %s %+v", r.value(), r.Error)
 		}
-		if r := sh(t, s, s.box(t), "unshare -r id 2>&1; unshare -m true 2>&1 && echo UNSHARED; mount -t tmpfs none /tmp 2>&1 && echo MOUNTED; true"); strings.Contains(r.out, "UNSHARED") || strings.Contains(r.out, "MOUNTED") || strings.Contains(r.out, "uid=0") {
+		// The python kernel is threaded, where unshare(CLONE_NEWUSER)
+		// fails anyway: try again from single-threaded tools. A user
+		// namespace alone is the backend's business (gVisor's sentry
+		// implements them itself); a mount namespace or a mount is not.
+		r = sh(t, s, s.box(t), "unshare -r id 2>&1; unshare -m true 2>&1 && echo UNSHARED; mount -t tmpfs none /tmp 2>&1 && echo MOUNTED; true")
+		if strings.Contains(r.out, "UNSHARED") || strings.Contains(r.out, "MOUNTED") {
 			t.Errorf("tools allowed in the box:\n%s", r.out)
+		}
+		if strings.Contains(r.out, "uid=0") {
+			t.Logf("the backend lets the box create a user namespace:\n%s", r.out)
 		}
 	}},
 	{"load a kernel module", "init_module, finit_module and modprobe fail; the host's module list is unchanged", func(t *testing.T, s *suite) {
