@@ -40,6 +40,9 @@ func detectCgroups() (*cgroups, error) {
 				return nil, fmt.Errorf("enabling controllers in %s: %w", dir, err)
 			}
 		}
+		if err := c.probe(); err != nil {
+			return nil, err
+		}
 		return c, nil
 	}
 	for _, ctrl := range v1Controllers {
@@ -48,7 +51,24 @@ func detectCgroups() (*cgroups, error) {
 			return nil, fmt.Errorf("creating %s: %w", base, err)
 		}
 	}
-	return &cgroups{}, nil
+	c := &cgroups{}
+	if err := c.probe(); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// probe makes and removes a group: kiln's directories may be there from an
+// earlier run on a cgroup filesystem that is read-only now.
+func (c *cgroups) probe() error {
+	g := &cgroup{dirs: c.dirs(groupName("probe"))}
+	defer g.destroy()
+	for _, d := range g.dirs {
+		if err := os.Mkdir(d, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+			return fmt.Errorf("creating a cgroup: %w", err)
+		}
+	}
+	return nil
 }
 
 func (c *cgroups) dirs(name string) []string {
