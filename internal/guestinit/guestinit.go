@@ -34,6 +34,11 @@ const (
 	// PortName is the virtio-serial port name the host gives the agent's
 	// stream (-device virtserialport,name=kiln.agent).
 	PortName = "kiln.agent"
+	// CodeCgroup is the cgroup (v2) for the code the agent runs: the
+	// box's memory and pids limits apply to it, not to the agent, so the
+	// guest's OOM killer picks a process of the code. The agent starts
+	// the kernel and shells in it (SysProcAttr.UseCgroupFD).
+	CodeCgroup = "/sys/fs/cgroup/code"
 )
 
 // ErrUnsupported is returned on operating systems other than Linux.
@@ -48,8 +53,9 @@ type Config struct {
 	Inodes         int64  // files in the workspace and in /tmp, each
 	UID, GID       int    // owner of the workspace (the user that runs code)
 	Hostname       string
-	Pids           int // RLIMIT_NPROC inherited by the code's processes
-	OpenFiles      int // RLIMIT_NOFILE
+	Pids           int   // RLIMIT_NPROC inherited by the code's processes
+	OpenFiles      int   // RLIMIT_NOFILE
+	MemoryBytes    int64 // memory.max of CodeCgroup
 }
 
 // Params are the kiln.* kernel command line parameters the host sets.
@@ -61,7 +67,10 @@ type Params struct {
 	Hostname       string // kiln.hostname
 	Pids           int    // kiln.pids
 	OpenFiles      int    // kiln.nofile
+	MemoryBytes    int64  // kiln.mem
 	Port           string // kiln.port: the virtio-serial port name
+	Transport      string // kiln.transport: "serial" (virtio-serial) or "vsock"
+	VsockPort      uint32 // kiln.vsock_port: where the agent listens with vsock
 	Root           string // root= (stage 1)
 	RootFSType     string // rootfstype= (stage 1)
 }
@@ -76,7 +85,10 @@ var defaults = Params{
 	Hostname:       "kiln",
 	Pids:           256,
 	OpenFiles:      1024,
+	MemoryBytes:    1 << 30,
 	Port:           PortName,
+	Transport:      "serial",
+	VsockPort:      1024,
 	Root:           "/dev/vda",
 	RootFSType:     "ext4",
 }
@@ -106,6 +118,8 @@ func ParseCmdline(cmdline string) Params {
 			setInt(&p.UID, v)
 		case "kiln.gid":
 			setInt(&p.GID, v)
+		case "kiln.mem":
+			setSize(&p.MemoryBytes, v)
 		case "kiln.pids":
 			setInt(&p.Pids, v)
 		case "kiln.nofile":
@@ -116,6 +130,14 @@ func ParseCmdline(cmdline string) Params {
 			}
 		case "kiln.port":
 			p.Port = v
+		case "kiln.transport":
+			if v == "serial" || v == "vsock" {
+				p.Transport = v
+			}
+		case "kiln.vsock_port":
+			if n, err := strconv.ParseUint(v, 10, 32); err == nil {
+				p.VsockPort = uint32(n)
+			}
 		case "root":
 			p.Root = v
 		case "rootfstype":
@@ -175,6 +197,9 @@ func (cfg Config) merge(p Params) Config {
 	if cfg.OpenFiles == 0 {
 		cfg.OpenFiles = p.OpenFiles
 	}
+	if cfg.MemoryBytes == 0 {
+		cfg.MemoryBytes = p.MemoryBytes
+	}
 	return cfg
 }
 
@@ -207,6 +232,31 @@ func mounts(cfg Config) []mount {
 		{"tmpfs", "/tmp", "tmpfs", msNosuid | msNodev, fmt.Sprintf("mode=1777,size=%d,nr_inodes=%d", cfg.TmpBytes, cfg.Inodes)},
 		{"tmpfs", "/run", "tmpfs", msNosuid | msNodev | msNoexec, "mode=0755,size=1048576"},
 		{"tmpfs", cfg.Workspace, "tmpfs", msNosuid | msNodev, fmt.Sprintf("mode=0755,size=%d,nr_inodes=%d,uid=%d,gid=%d", cfg.WorkspaceBytes, cfg.Inodes, cfg.UID, cfg.GID)},
+	}
+}
+
+// sysctls harden the guest kernel once boot is done. The VM is the
+// boundary; these keep the code's view of its own kernel narrow, as the
+// jail backend's seccomp does on the host: no user namespaces (so no
+// unshare, mount or chroot for the unprivileged user), no module loading,
+// no kernel pointers or log, no unprivileged BPF or perf.
+var sysctls = []struct{ key, value string }{
+	{"user/max_user_namespaces", "0"},
+	{"kernel/unprivileged_userns_clone", "0"}, // Debian's switch; absent elsewhere
+	{"kernel/unprivileged_bpf_disabled", "1"},
+	{"kernel/perf_event_paranoid", "3"},
+	{"kernel/kptr_restrict", "2"},
+	{"kernel/dmesg_restrict", "1"},
+	{"kernel/sysrq", "0"},
+	{"kernel/modules_disabled", "1"}, // last: stage 1 loaded all we need
+}
+
+// codeCgroupFiles are written into CodeCgroup, in order.
+func codeCgroupFiles(cfg Config) []struct{ file, value string } {
+	return []struct{ file, value string }{
+		{"memory.max", fmt.Sprint(cfg.MemoryBytes)},
+		{"memory.swap.max", "0"},
+		{"pids.max", fmt.Sprint(cfg.Pids)},
 	}
 }
 

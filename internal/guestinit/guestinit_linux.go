@@ -179,7 +179,39 @@ func setupRoot(cfg Config) (string, error) {
 			return "", fmt.Errorf("setting rlimit %d: %w", rl.res, err)
 		}
 	}
+	if err := codeCgroup(cfg); err != nil {
+		return "", err
+	}
+	for _, sc := range sysctls {
+		err := os.WriteFile("/proc/sys/"+sc.key, []byte(sc.value), 0)
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			return "", fmt.Errorf("setting sysctl %s: %w", sc.key, err)
+		}
+	}
+	if p.Transport == "vsock" {
+		return vsockStream(p.VsockPort)
+	}
 	return findPort(p.Port)
+}
+
+// codeCgroup mounts cgroup2 and makes CodeCgroup with the box's limits.
+func codeCgroup(cfg Config) error {
+	const root = "/sys/fs/cgroup"
+	if err := unix.Mount("cgroup2", root, "cgroup2", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "nsdelegate"); err != nil && !errors.Is(err, unix.EBUSY) {
+		return fmt.Errorf("mounting cgroup2: %w", err)
+	}
+	if err := os.WriteFile(root+"/cgroup.subtree_control", []byte("+memory +pids"), 0); err != nil {
+		return fmt.Errorf("enabling cgroup controllers: %w", err)
+	}
+	if err := os.Mkdir(CodeCgroup, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+		return fmt.Errorf("creating code cgroup: %w", err)
+	}
+	for _, f := range codeCgroupFiles(cfg) {
+		if err := os.WriteFile(CodeCgroup+"/"+f.file, []byte(f.value), 0); err != nil {
+			return fmt.Errorf("limiting code cgroup: %s: %w", f.file, err)
+		}
+	}
+	return nil
 }
 
 func doMount(m mount) error {

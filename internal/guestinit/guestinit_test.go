@@ -13,11 +13,11 @@ func TestParseCmdline(t *testing.T) {
 		want     func(*Params)
 	}{
 		{"empty", "", func(*Params) {}},
-		{"kiln params", "console=ttyS0 root=/dev/vdb rootfstype=squashfs kiln.work_size=1048576 kiln.tmp_size=2048 kiln.inodes=99 kiln.uid=1001 kiln.gid=1002 kiln.hostname=box-1 kiln.pids=64 kiln.nofile=128 kiln.port=p",
+		{"kiln params", "console=ttyS0 root=/dev/vdb rootfstype=squashfs kiln.work_size=1048576 kiln.tmp_size=2048 kiln.inodes=99 kiln.uid=1001 kiln.gid=1002 kiln.hostname=box-1 kiln.pids=64 kiln.nofile=128 kiln.mem=4096 kiln.port=p",
 			func(p *Params) {
 				p.Root, p.RootFSType = "/dev/vdb", "squashfs"
 				p.WorkspaceBytes, p.TmpBytes, p.Inodes = 1048576, 2048, 99
-				p.UID, p.GID, p.Hostname, p.Pids, p.OpenFiles, p.Port = 1001, 1002, "box-1", 64, 128, "p"
+				p.UID, p.GID, p.Hostname, p.Pids, p.OpenFiles, p.Port, p.MemoryBytes = 1001, 1002, "box-1", 64, 128, "p", 4096
 			}},
 		{"malformed values keep defaults", "kiln.work_size=-5 kiln.tmp_size=abc kiln.uid=-1 kiln.hostname=bad/name kiln.inodes=", func(*Params) {}},
 		{"init args ignored", "ro -- kiln.work_size=5 -guest", func(*Params) {}},
@@ -36,7 +36,7 @@ func TestMerge(t *testing.T) {
 	p := defaults
 	p.WorkspaceBytes = 7
 	got := Config{TmpBytes: 9, Hostname: "h"}.merge(p)
-	want := Config{Workspace: "/work", WorkspaceBytes: 7, TmpBytes: 9, Inodes: p.Inodes, UID: 1000, GID: 1000, Hostname: "h", Pids: p.Pids, OpenFiles: p.OpenFiles}
+	want := Config{Workspace: "/work", WorkspaceBytes: 7, TmpBytes: 9, Inodes: p.Inodes, UID: 1000, GID: 1000, Hostname: "h", Pids: p.Pids, OpenFiles: p.OpenFiles, MemoryBytes: p.MemoryBytes}
 	if d := cmp.Diff(want, got); d != "" {
 		t.Errorf("merge (-want +got):\n%s", d)
 	}
@@ -71,4 +71,17 @@ func TestParseModules(t *testing.T) {
 	if d := cmp.Diff([]string{"/lib/modules/a.ko", "/lib/modules/b.ko"}, got); d != "" {
 		t.Error(d)
 	}
+}
+
+func TestSysctls(t *testing.T) {
+	last := sysctls[len(sysctls)-1]
+	if last.key != "kernel/modules_disabled" {
+		t.Errorf("modules_disabled must come last, after everything that may load a module; last is %s", last.key)
+	}
+	for _, sc := range sysctls {
+		if sc.key == "user/max_user_namespaces" && sc.value == "0" {
+			return
+		}
+	}
+	t.Error("user namespaces are not disabled")
 }

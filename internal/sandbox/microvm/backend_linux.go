@@ -180,7 +180,9 @@ func (b *Backend) Close() error {
 	for v := range live {
 		errs = append(errs, v.destroy())
 	}
-	errs = append(errs, os.RemoveAll(b.opts.RunDir))
+	if !b.opts.Verbose {
+		errs = append(errs, os.RemoveAll(b.opts.RunDir))
+	}
 	return errors.Join(errs...)
 }
 
@@ -320,7 +322,9 @@ func (b *Backend) start(ctx context.Context, id string, cfg vmConfig, l sandbox.
 			v.destroy()
 		}
 	}()
-	v.defer_(func() error { return os.RemoveAll(v.dir) })
+	if !b.opts.Verbose { // verbose keeps console logs for debugging
+		v.defer_(func() error { return os.RemoveAll(v.dir) })
+	}
 	if err := os.Mkdir(v.dir, 0o700); err != nil {
 		return nil, err
 	}
@@ -524,7 +528,11 @@ func (b *Backend) templateKey(cfg vmConfig) string {
 		QEMU    string
 		Cfg     vmConfig
 	}{1, b.opts.Image.Key, qemuID, c})
-	s := sha256.Sum256(b2)
+	return hashKey(b2)
+}
+
+func hashKey(b []byte) string {
+	s := sha256.Sum256(b)
 	return hex.EncodeToString(s[:])[:16]
 }
 
@@ -704,4 +712,18 @@ func randomGUID() string {
 	b[8] = b[8]&0x3f | 0x80
 	h := hex.EncodeToString(b[:])
 	return h[:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:]
+}
+
+// qemuPIDs lists the QEMU processes of live VMs (for benchmarks of their
+// memory).
+func (b *Backend) qemuPIDs() []int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var pids []int
+	for v := range b.live {
+		if v.cmd != nil && v.cmd.Process != nil {
+			pids = append(pids, v.cmd.Process.Pid)
+		}
+	}
+	return pids
 }

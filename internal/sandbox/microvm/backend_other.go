@@ -26,3 +26,19 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 }
 
 func (b *Backend) Close() error { return nil }
+
+// Firecracker is the Firecracker backend; it runs on Linux only.
+type Firecracker struct{}
+
+// NewFirecracker reports that Firecracker is not supported on this OS.
+func NewFirecracker(opts FirecrackerOptions) (*Firecracker, error) {
+	return nil, sandbox.ErrUnsupported
+}
+
+func (f *Firecracker) Name() string { return "firecracker" }
+
+func (f *Firecracker) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbox, error) {
+	return nil, sandbox.ErrUnsupported
+}
+
+func (f *Firecracker) Close() error { return nil }

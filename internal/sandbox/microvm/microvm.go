@@ -72,8 +72,8 @@ type Options struct {
 	// BootTimeout bounds booting a template (or a cold box) to its hello;
 	// default 60s under KVM, 5m under TCG.
 	BootTimeout time.Duration
-	// Verbose keeps the guest kernel's messages and runs the agent with -v;
-	// the console goes to RunDir/<id>/console.log either way.
+	// Verbose keeps the guest kernel's messages, runs the agent with -v
+	// and keeps RunDir/<id>/console.log after the VM is gone.
 	Verbose bool
 	Logger  *slog.Logger
 }

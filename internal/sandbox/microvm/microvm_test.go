@@ -31,7 +31,7 @@ func newBackend(t testing.TB, opts microvm.Options) *microvm.Backend {
 	}
 	opts.Verbose = os.Getenv("KILN_TEST_DEBUG") == "1"
 	if opts.Verbose {
-		opts.RunDir = t.TempDir() // keep console logs readable while running
+		opts.RunDir = os.Getenv("KILN_TEST_RUNDIR") // console logs kept there
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: testLogLevel()}))

@@ -102,7 +102,8 @@ const guestUID = 1000
 // tscKHz, when not zero, is given to the guest as tsc_early_khz: under TCG
 // the guest's TSC runs at the host's rate, and calibrating it against the
 // emulated PIT fails on a busy host and hangs the boot.
-func kernelCmdline(l sandbox.Limits, preload []string, verbose bool, tscKHz int64) string {
+// extra are kernel parameters added before init's arguments.
+func kernelCmdline(l sandbox.Limits, preload []string, verbose bool, tscKHz int64, extra ...string) string {
 	w := []string{
 		"console=ttyS0", "root=/dev/vda", "rootfstype=ext4", "ro", "panic=-1",
 		"reboot=t", "tsc=reliable", "no_timer_check", "random.trust_cpu=on",
@@ -117,10 +118,14 @@ func kernelCmdline(l sandbox.Limits, preload []string, verbose bool, tscKHz int6
 		fmt.Sprintf("kiln.work_size=%d", l.WorkspaceBytes),
 		fmt.Sprintf("kiln.tmp_size=%d", l.TmpBytes),
 		fmt.Sprintf("kiln.inodes=%d", l.Inodes),
+		fmt.Sprintf("kiln.mem=%d", l.MemoryBytes),
 		fmt.Sprintf("kiln.pids=%d", l.Pids),
 		fmt.Sprintf("kiln.nofile=%d", l.OpenFiles),
 		fmt.Sprintf("kiln.uid=%d", guestUID),
 		fmt.Sprintf("kiln.gid=%d", guestUID),
+	)
+	w = append(w, extra...)
+	w = append(w,
 		"--", "-guest",
 		fmt.Sprintf("-uid=%d", guestUID),
 		fmt.Sprintf("-gid=%d", guestUID),
@@ -134,10 +139,16 @@ func kernelCmdline(l sandbox.Limits, preload []string, verbose bool, tscKHz int6
 	return strings.Join(w, " ")
 }
 
-// guestShape turns limits into VM size: RAM in MiB (at least 256, which the
-// kernel, the agent and an imported pandas need) and whole vCPUs.
+// guestReserveMiB is guest RAM beyond the box's memory limit, for the
+// guest kernel and the agent (which holds a whole protocol frame while it
+// decodes it). The limit itself applies to the code, in the guest's code
+// cgroup (guestinit.CodeCgroup).
+const guestReserveMiB = 192
+
+// guestShape turns limits into VM size: RAM in MiB (the limit, at least 64
+// MiB, plus the reserve) and whole vCPUs.
 func guestShape(l sandbox.Limits) (memMiB int64, cpus int) {
-	memMiB = max(l.MemoryBytes>>20, 256)
+	memMiB = max(l.MemoryBytes>>20, 64) + guestReserveMiB
 	cpus = max(int(math.Ceil(l.CPUs)), 1)
 	return memMiB, cpus
 }

@@ -90,14 +90,14 @@ func TestArgs(t *testing.T) {
 }
 
 func TestKernelCmdline(t *testing.T) {
-	l := sandbox.Limits{WorkspaceBytes: 10, TmpBytes: 20, Inodes: 30, Pids: 40, OpenFiles: 50}
+	l := sandbox.Limits{MemoryBytes: 60, WorkspaceBytes: 10, TmpBytes: 20, Inodes: 30, Pids: 40, OpenFiles: 50}
 	c := kernelCmdline(l, []string{"numpy", "pandas"}, false, 2600002)
 	kernel, initArgs, ok := strings.Cut(c, " -- ")
 	if !ok {
 		t.Fatalf("no init arguments in %q", c)
 	}
 	p := guestinit.ParseCmdline(c)
-	if p.WorkspaceBytes != 10 || p.TmpBytes != 20 || p.Inodes != 30 || p.Pids != 40 || p.OpenFiles != 50 || p.UID != guestUID {
+	if p.WorkspaceBytes != 10 || p.TmpBytes != 20 || p.Inodes != 30 || p.Pids != 40 || p.OpenFiles != 50 || p.MemoryBytes != 60 || p.UID != guestUID {
 		t.Errorf("guest reads %+v from %q", p, c)
 	}
 	for _, w := range []string{"ro", "quiet", "tsc_early_khz=2600002"} {
@@ -126,9 +126,9 @@ func TestGuestShape(t *testing.T) {
 		mem  int64
 		cpus int
 	}{
-		{sandbox.Limits{MemoryBytes: 1 << 30, CPUs: 1}, 1024, 1},
-		{sandbox.Limits{MemoryBytes: 1 << 20, CPUs: 0.5}, 256, 1},
-		{sandbox.Limits{MemoryBytes: 2 << 30, CPUs: 1.5}, 2048, 2},
+		{sandbox.Limits{MemoryBytes: 1 << 30, CPUs: 1}, 1024 + guestReserveMiB, 1},
+		{sandbox.Limits{MemoryBytes: 1 << 20, CPUs: 0.5}, 64 + guestReserveMiB, 1},
+		{sandbox.Limits{MemoryBytes: 2 << 30, CPUs: 1.5}, 2048 + guestReserveMiB, 2},
 	} {
 		mem, cpus := guestShape(tc.l)
 		if mem != tc.mem || cpus != tc.cpus {

@@ -1,0 +1,153 @@
+package microvm_test
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"testing"
+
+	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/microvm"
+)
+
+// Benchmarks of the microVM backend. Every figure is reported with the
+// accelerator in its name (here: tcg), because TCG and KVM differ by an
+// order of magnitude. Run with:
+//
+//	KILN_IMAGE_TEST=1 go test -run '^$' -bench . -benchtime 5x ./internal/sandbox/microvm/
+
+var benchSpec = sandbox.Spec{Preload: []string{"numpy", "pandas"}}
+
+// BenchmarkBaselinePythonSpawn is the yardstick: a bare python3 process on
+// the host, no isolation at all.
+func BenchmarkBaselinePythonSpawn(b *testing.B) {
+	py, err := exec.LookPath("python3")
+	if err != nil {
+		b.Skip("no python3 on the host")
+	}
+	for b.Loop() {
+		out, err := exec.Command(py, "-c", "print(2+2)").Output()
+		if err != nil || string(out) != "4\n" {
+			b.Fatalf("python3: %q %v", out, err)
+		}
+	}
+}
+
+func benchFirstAnswer(b *testing.B, be *microvm.Backend) {
+	ctx := context.Background()
+	// The template is made outside the timed loop.
+	sb, err := be.Create(ctx, benchSpec)
+	if err != nil {
+		b.Fatal(err)
+	}
+	sb.Close()
+	b.ResetTimer()
+	for b.Loop() {
+		sb, err := be.Create(ctx, benchSpec)
+		if err != nil {
+			b.Fatal(err)
+		}
+		res, err := sb.RunPython(ctx, "print(2+2)", sandbox.ExecOptions{})
+		if err != nil || res.Stdout.Text != "4\n" {
+			b.Fatalf("first answer: %+v %v", res, err)
+		}
+		sb.Close()
+	}
+}
+
+// BenchmarkRestoreToFirstAnswer: restore a clone of the warm template, run
+// print(2+2), destroy it.
+func BenchmarkRestoreToFirstAnswer(b *testing.B) {
+	be := newBackend(b, microvm.Options{})
+	b.Run("accel="+be.Accel(), func(b *testing.B) { benchFirstAnswer(b, be) })
+}
+
+// BenchmarkColdBootToFirstAnswer: boot a VM, import numpy and pandas, run
+// print(2+2), destroy it.
+func BenchmarkColdBootToFirstAnswer(b *testing.B) {
+	be := newBackend(b, microvm.Options{ColdBoot: true})
+	b.Run("accel="+be.Accel(), func(b *testing.B) { benchFirstAnswer(b, be) })
+}
+
+// BenchmarkRoundTrip: one call in a live box (what a session call costs).
+func BenchmarkRoundTrip(b *testing.B) {
+	be := newBackend(b, microvm.Options{})
+	b.Run("accel="+be.Accel(), func(b *testing.B) {
+		ctx := context.Background()
+		sb, err := be.Create(ctx, benchSpec)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer sb.Close()
+		for b.Loop() {
+			res, err := sb.RunPython(ctx, "2+2", sandbox.ExecOptions{})
+			if err != nil || res.Result == nil {
+				b.Fatalf("round trip: %+v %v", res, err)
+			}
+		}
+	})
+}
+
+// BenchmarkPSSPerClone restores clones, has each import pandas and run a
+// cell, and reports the mean proportional set size of their QEMU
+// processes: what a clone costs the host beyond the shared template.
+func BenchmarkPSSPerClone(b *testing.B) {
+	be := newBackend(b, microvm.Options{})
+	b.Run("accel="+be.Accel(), func(b *testing.B) {
+		const clones = 4
+		ctx := context.Background()
+		for b.Loop() {
+			var boxes []sandbox.Sandbox
+			for range clones {
+				sb, err := be.Create(ctx, benchSpec)
+				if err != nil {
+					b.Fatal(err)
+				}
+				boxes = append(boxes, sb)
+				if _, err := sb.RunPython(ctx, "import pandas as pd; pd.DataFrame({'a': [1, 2]}).sum()", sandbox.ExecOptions{}); err != nil {
+					b.Fatal(err)
+				}
+			}
+			var pss, rss int64
+			pids := microvm.QEMUPIDs(be)
+			for _, pid := range pids {
+				p, r := smapsRollup(b, pid)
+				pss += p
+				rss += r
+			}
+			b.ReportMetric(float64(pss)/float64(len(pids))/1024, "PSS-MiB/clone")
+			b.ReportMetric(float64(rss)/float64(len(pids))/1024, "RSS-MiB/clone")
+			for _, sb := range boxes {
+				sb.Close()
+			}
+		}
+	})
+}
+
+// smapsRollup returns a process's Pss and Rss in KiB.
+func smapsRollup(b *testing.B, pid int) (pss, rss int64) {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/smaps_rollup", pid))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		fs := strings.Fields(sc.Text())
+		if len(fs) < 2 {
+			continue
+		}
+		n, _ := strconv.ParseInt(fs[1], 10, 64)
+		switch fs[0] {
+		case "Pss:":
+			pss = n
+		case "Rss:":
+			rss = n
+		}
+	}
+	return pss, rss
+}

@@ -1,0 +1,401 @@
+package microvm
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"kiln/internal/agentproto"
+	"kiln/internal/guestinit"
+	"kiln/internal/sandbox"
+)
+
+// Firecracker is the Firecracker backend: like Backend, it restores every
+// box from a template snapshot (Firecracker maps the memory file privately,
+// so clones share it copy-on-write), but it talks to the agent over vsock.
+type Firecracker struct {
+	opts FirecrackerOptions
+	log  *slog.Logger
+
+	mu        sync.Mutex
+	templates map[string]*fcTemplate
+	live      map[*fcVM]struct{}
+	closed    bool
+}
+
+var (
+	_ sandbox.Backend = (*Firecracker)(nil)
+	_ sandbox.Checker = (*Firecracker)(nil)
+)
+
+// NewFirecracker checks opts and returns the backend.
+func NewFirecracker(opts FirecrackerOptions) (*Firecracker, error) {
+	if opts.Image == nil {
+		return nil, ErrNoImage
+	}
+	if opts.Kernel == "" {
+		return nil, errors.New("microvm: firecracker needs a vmlinux kernel with virtio-mmio, virtio-blk, vsock and ext4 built in")
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	if opts.Firecracker == "" {
+		opts.Firecracker = "firecracker"
+	}
+	fc, err := exec.LookPath(opts.Firecracker)
+	if err != nil {
+		return nil, fmt.Errorf("finding firecracker: %w", err)
+	}
+	opts.Firecracker = fc
+	if opts.StateDir == "" {
+		d, err := os.UserCacheDir()
+		if err != nil {
+			return nil, fmt.Errorf("finding cache dir: %w", err)
+		}
+		opts.StateDir = filepath.Join(d, "kiln", "firecracker")
+	}
+	if opts.RunDir == "" {
+		opts.RunDir = filepath.Join(os.TempDir(), fmt.Sprintf("kiln-firecracker-%d", os.Getpid()))
+	}
+	if opts.Cgroup == "" {
+		opts.Cgroup = "kiln-firecracker"
+	}
+	if os.Geteuid() != 0 {
+		opts.NoCgroup = true
+	}
+	if opts.BootTimeout == 0 {
+		opts.BootTimeout = time.Minute
+	}
+	for _, d := range []string{opts.StateDir, opts.RunDir} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			return nil, err
+		}
+	}
+	return &Firecracker{
+		opts:      opts,
+		log:       opts.Logger.With("backend", "firecracker"),
+		templates: map[string]*fcTemplate{},
+		live:      map[*fcVM]struct{}{},
+	}, nil
+}
+
+func (f *Firecracker) Name() string { return "firecracker" }
+
+// Check implements sandbox.Checker.
+func (f *Firecracker) Check(ctx context.Context) error {
+	for _, p := range []string{f.opts.Kernel, f.opts.Image.RootfsPath()} {
+		if _, err := os.Stat(p); err != nil {
+			return fmt.Errorf("checking image: %w", err)
+		}
+	}
+	if err := exec.CommandContext(ctx, f.opts.Firecracker, "--version").Run(); err != nil {
+		return fmt.Errorf("running firecracker: %w", err)
+	}
+	kvm, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0)
+	if err != nil {
+		return fmt.Errorf("%w: %v", ErrNoKVM, err)
+	}
+	return kvm.Close()
+}
+
+// Create restores a clone of the template for spec's shape.
+func (f *Firecracker) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbox, error) {
+	l := spec.Limits.WithDefaults()
+	id := spec.ID
+	if id == "" {
+		id = randomID()
+	}
+	tpl, err := f.template(ctx, l, cleanPreload(spec.Preload))
+	if err != nil {
+		return nil, err
+	}
+	v, err := f.start(ctx, id, l)
+	if err != nil {
+		return nil, fmt.Errorf("restoring vm: %w", err)
+	}
+	err = v.api.loadSnapshot(ctx, fcSnapshotLoad{
+		SnapshotPath:  filepath.Join(tpl.dir, "state"),
+		MemBackend:    &fcMemBackend{BackendType: "File", BackendPath: filepath.Join(tpl.dir, "mem")},
+		ResumeVM:      true,
+		VsockOverride: &fcVsockOverride{UDSPath: v.vsockPath()},
+	})
+	if err != nil {
+		v.destroy()
+		return nil, fmt.Errorf("restoring vm: %w", err)
+	}
+	conn, err := dialAgentVsock(ctx, v.vsockPath())
+	if err != nil {
+		v.destroy()
+		return nil, fmt.Errorf("restoring vm: %w", err)
+	}
+	v.defer_(closer(conn))
+	stream := &replayStream{r: io.MultiReader(bytes.NewReader(tpl.hello), conn), Conn: conn}
+	return sandbox.NewAgentConn(ctx, id, stream, v.destroy)
+}
+
+// Close kills every live VM.
+func (f *Firecracker) Close() error {
+	f.mu.Lock()
+	f.closed = true
+	live := f.live
+	f.live = map[*fcVM]struct{}{}
+	f.mu.Unlock()
+	var errs []error
+	for v := range live {
+		errs = append(errs, v.destroy())
+	}
+	return errors.Join(append(errs, os.RemoveAll(f.opts.RunDir))...)
+}
+
+// dialAgentVsock connects to the agent's port, retrying while the guest
+// has not started listening yet (or is being restored).
+func dialAgentVsock(ctx context.Context, uds string) (net.Conn, error) {
+	for {
+		c, err := fcConnectVsock(ctx, uds, agentVsockPort)
+		if err == nil {
+			return c, nil
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("connecting to agent: %w", errors.Join(err, ctx.Err()))
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+type fcVM struct {
+	dir     string
+	cmd     *exec.Cmd
+	api     *fcClient
+	exited  chan struct{}
+	cleanup []func() error
+	once    sync.Once
+	err     error
+}
+
+func (v *fcVM) vsockPath() string      { return filepath.Join(v.dir, "v.sock") }
+func (v *fcVM) defer_(fn func() error) { v.cleanup = append(v.cleanup, fn) }
+func (v *fcVM) apiPath() string        { return filepath.Join(v.dir, "api.sock") }
+
+func (v *fcVM) destroy() error {
+	v.once.Do(func() {
+		var errs []error
+		for i := len(v.cleanup) - 1; i >= 0; i-- {
+			errs = append(errs, v.cleanup[i]())
+		}
+		v.err = errors.Join(errs...)
+	})
+	return v.err
+}
+
+// fcID is what Firecracker accepts as an instance id.
+var fcID = regexp.MustCompile(`[^A-Za-z0-9-]`)
+
+// start runs a Firecracker process with its API socket, in its own cgroup
+// and namespaces, and waits for the API.
+func (f *Firecracker) start(ctx context.Context, id string, l sandbox.Limits) (_ *fcVM, err error) {
+	f.mu.Lock()
+	closed := f.closed
+	f.mu.Unlock()
+	if closed {
+		return nil, sandbox.ErrClosed
+	}
+	v := &fcVM{dir: filepath.Join(f.opts.RunDir, id), exited: make(chan struct{})}
+	defer func() {
+		if err != nil {
+			v.destroy()
+		}
+	}()
+	v.defer_(func() error { return os.RemoveAll(v.dir) })
+	if err := os.Mkdir(v.dir, 0o700); err != nil {
+		return nil, err
+	}
+	fid := fcID.ReplaceAllString(id, "-")
+	if len(fid) > 60 {
+		fid = fid[:60]
+	}
+	cmd := exec.Command(f.opts.Firecracker, "--api-sock", v.apiPath(), "--id", fid)
+	cmd.Env = []string{}
+	cmd.SysProcAttr = &syscall.SysProcAttr{
+		Pdeathsig:  syscall.SIGKILL,
+		Setpgid:    true,
+		Cloneflags: unix.CLONE_NEWNET | unix.CLONE_NEWIPC | unix.CLONE_NEWUTS | unix.CLONE_NEWPID,
+	}
+	if os.Geteuid() != 0 {
+		cmd.SysProcAttr.Cloneflags = 0
+	}
+	var cg *cgroup
+	if !f.opts.NoCgroup {
+		mem, _ := guestShape(l)
+		if cg, err = newCgroup(f.opts.Cgroup, id, cgroupLimits{MemoryBytes: mem<<20 + 64<<20, Pids: 64, CPUs: l.CPUs}); err != nil {
+			return nil, err
+		}
+		v.defer_(cg.remove)
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("starting firecracker: %w", err)
+	}
+	v.cmd = cmd
+	go func() {
+		cmd.Wait()
+		close(v.exited)
+	}()
+	v.defer_(func() error {
+		cmd.Process.Kill()
+		<-v.exited
+		return nil
+	})
+	if cg != nil {
+		if err := cg.add(cmd.Process.Pid); err != nil {
+			return nil, err
+		}
+	}
+	f.mu.Lock()
+	f.live[v] = struct{}{}
+	f.mu.Unlock()
+	v.defer_(func() error {
+		f.mu.Lock()
+		delete(f.live, v)
+		f.mu.Unlock()
+		return nil
+	})
+	v.api = newFCClient(v.apiPath())
+	if err := v.api.waitReady(ctx); err != nil {
+		return nil, err
+	}
+	return v, nil
+}
+
+type fcTemplate struct {
+	dir   string
+	hello []byte
+	ready chan struct{}
+	err   error
+}
+
+func (f *Firecracker) template(ctx context.Context, l sandbox.Limits, preload []string) (*fcTemplate, error) {
+	mem, cpus := guestShape(l)
+	cmdline := kernelCmdline(l, preload, false, 0, "kiln.transport=vsock", "init="+guestinit.AgentPath)
+	b, _ := json.Marshal([]any{1, f.opts.Image.Key, f.opts.Kernel, mem, cpus, cmdline})
+	key := hashKey(b)
+	f.mu.Lock()
+	t, ok := f.templates[key]
+	if !ok {
+		t = &fcTemplate{dir: filepath.Join(f.opts.StateDir, "tpl-"+key), ready: make(chan struct{})}
+		f.templates[key] = t
+		go func() {
+			defer close(t.ready)
+			if h, err := os.ReadFile(filepath.Join(t.dir, "hello")); err == nil {
+				t.hello = h
+				return
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), f.opts.BootTimeout)
+			defer cancel()
+			t.err = f.saveTemplate(ctx, t, l, mem, cpus, cmdline)
+		}()
+	}
+	f.mu.Unlock()
+	select {
+	case <-t.ready:
+	case <-ctx.Done():
+		return nil, fmt.Errorf("waiting for template: %w", ctx.Err())
+	}
+	if t.err != nil {
+		f.mu.Lock()
+		delete(f.templates, key)
+		f.mu.Unlock()
+		return nil, fmt.Errorf("making template: %w", t.err)
+	}
+	return t, nil
+}
+
+// saveTemplate boots a VM through the API, waits for the agent's hello over
+// vsock, pauses it and writes a full snapshot.
+func (f *Firecracker) saveTemplate(ctx context.Context, t *fcTemplate, l sandbox.Limits, mem int64, cpus int, cmdline string) error {
+	tmp := t.dir + ".tmp-" + randomID()
+	if err := os.MkdirAll(tmp, 0o700); err != nil {
+		return err
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			os.RemoveAll(tmp)
+		}
+	}()
+	v, err := f.start(ctx, "template-"+filepath.Base(t.dir), l)
+	if err != nil {
+		return fmt.Errorf("booting vm: %w", err)
+	}
+	defer v.destroy()
+	var hello []byte
+	steps := []step{
+		{"machine config", func(ctx context.Context) error {
+			return v.api.machineConfig(ctx, fcMachineConfig{VcpuCount: cpus, MemSizeMiB: mem})
+		}},
+		{"boot source", func(ctx context.Context) error {
+			return v.api.bootSource(ctx, fcBootSource{KernelImagePath: f.opts.Kernel, BootArgs: cmdline})
+		}},
+		{"root drive", func(ctx context.Context) error {
+			return v.api.drive(ctx, fcDrive{DriveID: "rootfs", PathOnHost: f.opts.Image.RootfsPath(), IsRootDevice: true, IsReadOnly: true})
+		}},
+		{"vsock", func(ctx context.Context) error {
+			return v.api.vsock(ctx, fcVsock{GuestCID: 3, UDSPath: v.vsockPath()})
+		}},
+		{"entropy", v.api.entropy},
+		{"start", func(ctx context.Context) error { return v.api.action(ctx, "InstanceStart") }},
+		{"wait for agent", func(ctx context.Context) error {
+			conn, err := dialAgentVsock(ctx, v.vsockPath())
+			if err != nil {
+				return err
+			}
+			defer conn.Close()
+			stop := context.AfterFunc(ctx, func() { conn.Close() })
+			defer stop()
+			var raw json.RawMessage
+			if err := agentproto.ReadFrame(conn, &raw); err != nil {
+				return err
+			}
+			var h agentproto.Hello
+			if err := json.Unmarshal(raw, &h); err != nil {
+				return err
+			}
+			if h.Error != "" {
+				return fmt.Errorf("agent: %s", h.Error)
+			}
+			hello = append(binary.BigEndian.AppendUint32(nil, uint32(len(raw))), raw...)
+			return nil
+		}},
+		{"pause", func(ctx context.Context) error { return v.api.setState(ctx, "Paused") }},
+		{"snapshot", func(ctx context.Context) error {
+			return v.api.createSnapshot(ctx, fcSnapshotCreate{SnapshotType: "Full",
+				SnapshotPath: filepath.Join(tmp, "state"), MemFilePath: filepath.Join(tmp, "mem")})
+		}},
+	}
+	if err := runSteps(ctx, f.log, steps); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(tmp, "hello"), hello, 0o600); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, t.dir); err != nil {
+		return fmt.Errorf("storing template: %w", err)
+	}
+	ok = true
+	t.hello = hello
+	return nil
+}
