@@ -163,12 +163,13 @@ func (s *schema) check(body map[string]any) error {
 // fakeFirecracker serves the API on a unix socket, validating requests and
 // keeping Firecracker's state machine.
 type fakeFirecracker struct {
-	t        *testing.T
+	errorf   func(format string, args ...any)
 	mu       sync.Mutex
 	calls    []string // "PUT /drives/{drive_id}" form
 	bodies   []map[string]any
 	state    string // "Not started", "Running", "Paused"
 	touched  bool   // any resource configured (snapshot/load must come first)
+	hook     func(op string, body map[string]any) error // runs after a valid call
 	failNext string // make the next call to this operation fail
 }
 
@@ -186,7 +187,7 @@ func (f *fakeFirecracker) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	defer f.mu.Unlock()
 	fail := func(code int, format string, args ...any) {
 		msg := fmt.Sprintf(format, args...)
-		f.t.Errorf("fake firecracker: %s %s: %s", r.Method, r.URL.Path, msg)
+		f.errorf("fake firecracker: %s %s: %s", r.Method, r.URL.Path, msg)
 		w.WriteHeader(code)
 		json.NewEncoder(w).Encode(map[string]string{"fault_message": msg})
 	}
@@ -266,6 +267,12 @@ func (f *fakeFirecracker) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			f.state = "Running"
 		}
 	}
+	if f.hook != nil {
+		if err := f.hook(op, body); err != nil {
+			fail(http.StatusBadRequest, "%v", err)
+			return
+		}
+	}
 	w.WriteHeader(http.StatusNoContent)
 }
 
@@ -275,7 +282,7 @@ func startFake(t *testing.T) (*fakeFirecracker, *fcClient) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	f := &fakeFirecracker{t: t, state: "Not started"}
+	f := &fakeFirecracker{errorf: t.Errorf, state: "Not started"}
 	srv := &http.Server{Handler: f}
 	go srv.Serve(l)
 	t.Cleanup(func() { srv.Close() })
