@@ -24,6 +24,8 @@ func main() {
 		uid       = flag.Int("uid", -1, "run code as this uid when the agent runs as root")
 		gid       = flag.Int("gid", -1, "run code as this gid when the agent runs as root")
 		guest     = flag.Bool("guest", false, "prepare a microVM guest (mounts, serial port) as PID 1")
+		zygote    = flag.Bool("zygote", false, "become a jail zygote's python template (control socket on fd 3)")
+		adopt     = flag.Int("adopt-kernel", 0, "use the kernel with this pid, forked by a jail zygote, whose pipes are on fds 3-6")
 		verbose   = flag.Bool("v", false, "debug logging on stderr")
 	)
 	flag.Parse()
@@ -32,6 +34,22 @@ func main() {
 		level = slog.LevelDebug
 	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+
+	var mods []string
+	for _, m := range strings.Split(*preload, ",") {
+		if m = strings.TrimSpace(m); m != "" {
+			mods = append(mods, m)
+		}
+	}
+	if *zygote {
+		err := agent.ExecZygote(agent.Config{Workspace: *workspace, Python: *python, Preload: mods, UID: -1, GID: -1})
+		fmt.Fprintln(os.Stderr, "kiln-agent:", err)
+		os.Exit(1)
+	}
+	var adopted []*os.File
+	if *adopt > 0 {
+		adopted = agent.AdoptedFiles()
+	}
 
 	streamPath := ""
 	if *guest && os.Getenv(agent.ChildEnv) == "" {
@@ -45,7 +63,7 @@ func main() {
 	if os.Getpid() == 1 {
 		// PID 1 only reaps; a child does the work, so exec.Cmd.Wait never
 		// races the reaper for its own children's statuses.
-		code := agent.Reap(streamPath)
+		code := agent.ReapWith(streamPath, adopted)
 		if *guest {
 			guestinit.PowerOff()
 		}
@@ -62,11 +80,9 @@ func main() {
 		}
 		r, w = f, f
 	}
-	var mods []string
-	for _, m := range strings.Split(*preload, ",") {
-		if m = strings.TrimSpace(m); m != "" {
-			mods = append(mods, m)
-		}
+	var kernel *agent.Adopted
+	if *adopt > 0 {
+		kernel = &agent.Adopted{Pid: *adopt, Req: adopted[0], Res: adopted[1], Out: adopted[2], Err: adopted[3]}
 	}
 	a := agent.New(agent.Config{
 		Workspace: *workspace,
@@ -74,6 +90,7 @@ func main() {
 		Preload:   mods,
 		UID:       *uid,
 		GID:       *gid,
+		Adopt:     kernel,
 		Logger:    log,
 	})
 	if err := a.Serve(r, w); err != nil {

@@ -36,7 +36,11 @@ type Config struct {
 	// UID and GID run code as this user when the agent itself runs as root
 	// (a microVM guest). -1 keeps the agent's own user.
 	UID, GID int
-	Logger   *slog.Logger
+	// Adopt, if set, is the kernel a jail zygote forked for this box; the
+	// agent uses it instead of starting python itself (it starts a new
+	// one only if that kernel dies).
+	Adopt  *Adopted
+	Logger *slog.Logger
 }
 
 // Agent serves one host connection.
@@ -71,7 +75,16 @@ func New(cfg Config) *Agent {
 func (a *Agent) Serve(r io.Reader, w io.Writer) error {
 	a.w = w
 	hello := agentproto.Hello{Version: ProtocolVersion}
-	if a.cfg.Python != "" {
+	if a.cfg.Adopt != nil {
+		k, err := adoptKernel(a.cfg.Adopt)
+		if err != nil {
+			a.log.Warn("adopted python kernel unavailable", "err", err)
+		} else {
+			a.kernel = k
+			hello.Python = k.hello.Python
+			hello.Preloaded = k.hello.Preloaded
+		}
+	} else if a.cfg.Python != "" {
 		k, err := startKernel(a.cfg)
 		if err != nil {
 			a.log.Warn("python kernel unavailable", "err", err)

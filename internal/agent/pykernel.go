@@ -25,7 +25,8 @@ const maxResultLine = 48 << 20
 
 // pyKernel is one running python3 with the driver.
 type pyKernel struct {
-	cmd     *exec.Cmd
+	proc    *os.Process
+	state   func() *os.ProcessState // nil while running, and for an adopted kernel
 	req     *os.File // our end of the driver's fd 3
 	res     *bufio.Reader
 	resFile *os.File
@@ -88,13 +89,21 @@ func startKernel(cfg *Config) (*pyKernel, error) {
 		return nil, fmt.Errorf("starting python: %w", err)
 	}
 	k := &pyKernel{
-		cmd: cmd, req: reqW, resFile: resR, res: bufio.NewReaderSize(resR, 1<<16),
+		proc: cmd.Process, state: func() *os.ProcessState { return cmd.ProcessState },
+		req: reqW, resFile: resR, res: bufio.NewReaderSize(resR, 1<<16),
 		out: newDemux(), errs: newDemux(), exited: make(chan struct{}),
 	}
 	go k.pump(outR, k.out)
 	go k.pump(errR, k.errs)
 	go func() { cmd.Wait(); close(k.exited) }()
+	if err := k.waitReady(); err != nil {
+		return nil, err
+	}
+	return k, nil
+}
 
+// waitReady reads the driver's hello.
+func (k *pyKernel) waitReady() error {
 	line, err := k.readLine()
 	if err == nil {
 		err = json.Unmarshal(line, &k.hello)
@@ -102,12 +111,12 @@ func startKernel(cfg *Config) (*pyKernel, error) {
 	if err != nil || !k.hello.Ready {
 		k.kill()
 		stderr := k.errs.flush().Stream().Text
-		return nil, fmt.Errorf("starting the python kernel: %v: %s", err, lastLines(stderr, 5))
+		return fmt.Errorf("starting the python kernel: %v: %s", err, lastLines(stderr, 5))
 	}
 	// Anything printed while preloading is not a cell's output.
 	k.out.flush()
 	k.errs.flush()
-	return k, nil
+	return nil
 }
 
 func (k *pyKernel) pump(r *os.File, d *demux) {
@@ -210,7 +219,7 @@ func (k *pyKernel) died() (*agentproto.ExecResult, error) {
 	stdout, stderr := k.out.flush().Stream(), k.errs.flush().Stream()
 	how := "exited"
 	sig := ""
-	if ps := k.cmd.ProcessState; ps != nil {
+	if ps := k.processState(); ps != nil {
 		if ws, ok := ps.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
 			sig = unixSignalName(ws.Signal())
 			how = "was killed by " + sig
@@ -239,14 +248,21 @@ func (k *pyKernel) interrupt() {
 	k.mu.Lock()
 	running := k.running
 	k.mu.Unlock()
-	if running && k.cmd.Process != nil {
-		k.cmd.Process.Signal(syscall.SIGINT)
+	if running && k.proc != nil {
+		k.proc.Signal(syscall.SIGINT)
 	}
 }
 
+func (k *pyKernel) processState() *os.ProcessState {
+	if k.state == nil {
+		return nil
+	}
+	return k.state()
+}
+
 func (k *pyKernel) kill() {
-	if k.cmd.Process != nil {
-		k.cmd.Process.Kill()
+	if k.proc != nil {
+		k.proc.Kill()
 	}
 	k.req.Close()
 	k.resFile.Close()

@@ -16,7 +16,11 @@ const (
 // Reap runs the agent as a child of PID 1 and reaps every process of the
 // box until that child exits, whose exit status it returns. Orphans
 // re-parent to PID 1, so without this they would stay zombies.
-func Reap(streamPath string) int {
+func Reap(streamPath string) int { return ReapWith(streamPath, nil) }
+
+// ReapWith is Reap with extra descriptors for the agent child, at fds 3
+// and up (an adopted kernel's pipes); PID 1 closes its copies.
+func ReapWith(streamPath string, extra []*os.File) int {
 	sigs := make(chan os.Signal, 8)
 	signal.Notify(sigs, syscall.SIGCHLD, syscall.SIGTERM, syscall.SIGINT)
 	self, err := os.Executable()
@@ -29,7 +33,12 @@ func Reap(streamPath string) int {
 		cmd.Env = append(cmd.Env, StreamEnv+"="+streamPath)
 	}
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
-	if err := cmd.Start(); err != nil {
+	cmd.ExtraFiles = extra
+	err = cmd.Start()
+	for _, f := range extra {
+		f.Close()
+	}
+	if err != nil {
 		os.Stderr.WriteString("kiln-agent: starting agent: " + err.Error() + "\n")
 		return 1
 	}

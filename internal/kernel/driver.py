@@ -12,8 +12,8 @@ import os
 import sys
 import traceback
 
-_REQ = os.fdopen(3, "rb", buffering=0)
-_RES = os.fdopen(4, "wb", buffering=0)
+_REQ = None  # fd 3, opened by serve()
+_RES = None  # fd 4
 _MAX_REPR = 8 << 20  # one representation; bigger ones are dropped with a note
 _MAX_DISPLAYS = 64
 _DRIVER_FILE = "<kiln-driver>"
@@ -243,7 +243,8 @@ def _send(obj):
     _RES.write((json.dumps(obj) + "\n").encode())
 
 
-def main():
+def prepare():
+    """Import the preloaded modules and install display(); returns their names."""
     _setup_matplotlib()
     preloaded = []
     for name in [m for m in os.environ.pop("KILN_PRELOAD", "").split(",") if m]:
@@ -263,6 +264,15 @@ def main():
     # The cell namespace is __main__'s, so classes defined in cells pickle.
     ns = sys.modules["__main__"].__dict__
     ns.update({"display": display, "Image": _Image, "HTML": _HTML, "Markdown": _Markdown})
+    return preloaded
+
+
+def serve(preloaded):
+    """Say ready on fd 4, then run the cells that arrive on fd 3 until EOF."""
+    global _REQ, _RES
+    _REQ = os.fdopen(3, "rb", buffering=0)
+    _RES = os.fdopen(4, "wb", buffering=0)
+    ns = sys.modules["__main__"].__dict__
     _send({"ready": True, "python": sys.version.split()[0], "preloaded": preloaded})
     buf = b""
     while True:
@@ -297,4 +307,17 @@ def main():
             _send({"result": result, "displays": displays, "error": error, "interrupted": interrupted})
 
 
-main()
+def main():
+    serve(prepare())
+
+
+# A jail zygote passes its fork server in KILN_ZYGOTE (zygote.py): it runs
+# prepare() once and serve() in every box it forks.
+_ZYGOTE = os.environ.pop("KILN_ZYGOTE", "")
+if _ZYGOTE:
+    exec(compile(_ZYGOTE, "<kiln-zygote>", "exec"), globals())
+    del _ZYGOTE
+    zygote_main()
+else:
+    del _ZYGOTE
+    main()

@@ -38,7 +38,8 @@ func (m *Manager) RunOnce(ctx context.Context, lang Language, code string, files
 	if err != nil {
 		return nil, nil, fmt.Errorf("starting sandbox: %w", err)
 	}
-	defer box.Close()
+	// Destroyed once the result is in hand, off the call's path.
+	defer m.destroy(box)
 	paths := make([]string, 0, len(files))
 	for p := range files {
 		paths = append(paths, p)
@@ -49,9 +50,18 @@ func (m *Manager) RunOnce(ctx context.Context, lang Language, code string, files
 			return nil, nil, fmt.Errorf("staging %s: %w", p, err)
 		}
 	}
-	// Files staged above are older than mark; the call's own are not.
-	mark := time.Now()
-	time.Sleep(time.Millisecond)
+	// The workspace of a never-used box holds only what was staged; a
+	// file the call created or changed is one not in this list as it is.
+	staged := map[string]agentproto.FileInfo{}
+	if len(paths) > 0 {
+		list, err := box.Changes(ctx, time.Unix(0, 0))
+		if err != nil {
+			return nil, nil, fmt.Errorf("listing staged files: %w", err)
+		}
+		for _, f := range list {
+			staged[f.Path] = f
+		}
+	}
 	out, err := m.runBounded(ctx, box, timeout, func(ctx context.Context, box sandbox.Sandbox) (*agentproto.ExecResult, error) {
 		if lang == Shell {
 			return box.RunShell(ctx, code, sandbox.ExecOptions{MaxOutput: m.opts.MaxOutput})
@@ -62,9 +72,16 @@ func (m *Manager) RunOnce(ctx context.Context, lang Language, code string, files
 		return out, nil, err
 	}
 	out.Fresh = true
-	changed, err := box.Changes(ctx, mark)
+	all, err := box.Changes(ctx, time.Unix(0, 0))
 	if err != nil {
 		return out, nil, nil
+	}
+	var changed []agentproto.FileInfo
+	for _, f := range all {
+		if s, ok := staged[f.Path]; ok && s.Size == f.Size && s.ModNano == f.ModNano {
+			continue
+		}
+		changed = append(changed, f)
 	}
 	var produced []Produced
 	budget := int64(maxProducedBytes)
@@ -83,4 +100,13 @@ func (m *Manager) RunOnce(ctx context.Context, lang Language, code string, files
 		produced = append(produced, p)
 	}
 	return out, produced, nil
+}
+
+// destroy closes a used box in the background; Close waits for it.
+func (m *Manager) destroy(box sandbox.Sandbox) {
+	m.destroying.Add(1)
+	go func() {
+		defer m.destroying.Done()
+		box.Close()
+	}()
 }

@@ -12,9 +12,9 @@ import (
 )
 
 // Pool keeps boxes that have never run model code ready ahead of demand,
-// refilled in the background and never reused. Get never waits for the
-// refill: when the pool is empty it creates a box directly, which is what
-// a call would cost without a pool.
+// refilled in the background and never reused. Get never waits longer
+// than creating a box directly: when the pool is empty it starts one for
+// the call and takes whichever is ready first, that one or the refill's.
 type Pool struct {
 	backend sandbox.Backend
 	spec    sandbox.Spec
@@ -25,6 +25,7 @@ type Pool struct {
 	kick     chan struct{}
 	mu       sync.Mutex
 	inflight int
+	closed   bool
 	ctx      context.Context
 	cancel   context.CancelFunc
 	wg       sync.WaitGroup
@@ -125,31 +126,121 @@ func (p *Pool) release() {
 	p.mu.Unlock()
 }
 
-// Get returns a fresh box: a pooled one if one is ready and alive, else a
-// new one made now.
+// Get returns a fresh box: a pooled one if one is ready and alive, else
+// whichever comes first of a box made now for this call and the next box
+// the refill finishes. A call never waits longer than creating its box
+// directly would take; the box that loses the race joins the pool (or is
+// destroyed if the pool is full).
 func (p *Pool) Get(ctx context.Context) (sandbox.Sandbox, error) {
+	if box := p.take(); box != nil {
+		return box, nil
+	}
+	if p.size == 0 {
+		return p.create(ctx)
+	}
+	type made struct {
+		box sandbox.Sandbox
+		err error
+	}
+	direct := make(chan made, 1)
+	if !p.track(func() {
+		box, err := p.create(p.ctx)
+		direct <- made{box, err}
+	}) {
+		return p.create(ctx) // the pool is closing
+	}
+	adopt := func() {
+		// The direct creation lost (or its caller left): pool its box.
+		p.track(func() {
+			if m := <-direct; m.box != nil {
+				p.offer(m.box)
+			}
+		})
+	}
+	for {
+		select {
+		case m := <-direct:
+			if m.err != nil && ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
+			return m.box, m.err
+		case box := <-p.ready:
+			p.kickRefill()
+			select {
+			case <-box.Done():
+				box.Close()
+				continue
+			default:
+			}
+			adopt()
+			return box, nil
+		case <-ctx.Done():
+			adopt()
+			return nil, ctx.Err()
+		}
+	}
+}
+
+// take returns a ready, live box without waiting, or nil.
+func (p *Pool) take() sandbox.Sandbox {
 	for {
 		select {
 		case box := <-p.ready:
-			select {
-			case p.kick <- struct{}{}:
-			default:
-			}
+			p.kickRefill()
 			select {
 			case <-box.Done():
 				box.Close() // died while waiting; take the next
 				continue
 			default:
-				return box, nil
+				return box
 			}
 		default:
-			return p.create(ctx)
+			return nil
 		}
+	}
+}
+
+// track runs f in a goroutine Close waits for, unless the pool is closed.
+func (p *Pool) track(f func()) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return false
+	}
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		f()
+	}()
+	return true
+}
+
+func (p *Pool) kickRefill() {
+	select {
+	case p.kick <- struct{}{}:
+	default:
+	}
+}
+
+// offer puts a never-used box into the pool if there is room, else
+// destroys it.
+func (p *Pool) offer(box sandbox.Sandbox) {
+	p.mu.Lock()
+	room := p.ctx.Err() == nil && len(p.ready)+p.inflight < p.size
+	if room {
+		p.ready <- box // never blocks: room counted it
+	}
+	p.mu.Unlock()
+	if !room {
+		box.Close()
 	}
 }
 
 // Close stops refilling and destroys the ready boxes.
 func (p *Pool) Close() {
+	p.mu.Lock()
+	p.closed = true
+	p.mu.Unlock()
 	p.cancel()
 	p.wg.Wait()
 	for {

@@ -102,6 +102,8 @@ type Manager struct {
 	closed   bool
 	stop     chan struct{}
 	wg       sync.WaitGroup
+	// destroying counts per-call boxes being destroyed after their call.
+	destroying sync.WaitGroup
 }
 
 // NewManager starts the pool and the idle reaper.
@@ -229,6 +231,7 @@ func (m *Manager) Close() {
 	}
 	wg.Wait()
 	m.pool.Close()
+	m.destroying.Wait()
 }
 
 // Outcome is what one call produced, with what kiln did about it.

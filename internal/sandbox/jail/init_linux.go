@@ -42,11 +42,15 @@ type initConfig struct {
 // started as one; otherwise it returns at once. cmd/kiln (and test
 // binaries that create jails) call it first thing in main.
 func MaybeInit() {
-	if len(os.Args) < 2 || os.Args[1] != InitArg {
+	if len(os.Args) < 2 || (os.Args[1] != InitArg && os.Args[1] != ZygoteInitArg) {
 		return
 	}
 	runtime.LockOSThread()
-	err := runInit()
+	run := runInit
+	if os.Args[1] == ZygoteInitArg {
+		run = runZygoteInit
+	}
+	err := run()
 	fmt.Fprintf(os.Stderr, "kiln jail init: %v\n", err)
 	os.Exit(1)
 }

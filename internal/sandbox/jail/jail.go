@@ -34,6 +34,11 @@ type Options struct {
 	// the gateway's DNS and proxy. Nil or an empty policy: loopback only.
 	Egress *egress.Gateway
 	Policy egress.Policy
+	// Zygote forks boxes from a template python that has imported the
+	// preloaded modules, instead of starting python in each (Linux, root,
+	// cgroups; not yet with Egress). KILN_JAIL_ZYGOTE=1 or 0 in the
+	// environment overrides it.
+	Zygote bool
 	Logger *slog.Logger
 }
 

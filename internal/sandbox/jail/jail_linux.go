@@ -28,6 +28,7 @@ type Backend struct {
 	cgErr    error
 	rootless bool
 	slot     atomic.Uint32
+	zy       *zygotes // nil: every box starts its own python
 }
 
 var (
@@ -88,6 +89,7 @@ func New(opts Options) (*Backend, error) {
 		b.log.Info("removed orphaned boxes of a previous kiln", "count", n)
 	}
 	b.removeOrphanedState()
+	b.initZygotes()
 	return b, nil
 }
 
@@ -120,6 +122,9 @@ func (b *Backend) Check(ctx context.Context) error {
 
 // Create starts a box and waits for its agent.
 func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (_ sandbox.Sandbox, err error) {
+	if box, err := b.forkBox(ctx, spec); box != nil || err != nil {
+		return box, err // from the zygote (zygote_linux.go)
+	}
 	lim := spec.Limits.WithDefaults()
 	var cl cleanup
 	defer func() {

@@ -1,0 +1,68 @@
+package agent
+
+import (
+	"bufio"
+	"fmt"
+	"os"
+	"strings"
+	"syscall"
+
+	"kiln/internal/kernel"
+)
+
+// A jail zygote is a python3 that imported the preloaded modules once and
+// forks a kernel for every new box (internal/kernel/zygote.py). The agent
+// takes part twice: ExecZygote becomes the template, so the template's
+// environment is exactly a kernel's; and in each box the agent adopts the
+// kernel the zygote forked for it (Config.Adopt) instead of starting one.
+
+// ExecZygote replaces the agent with the zygote's python3. The fork
+// server's control socket must be on fd 3.
+func ExecZygote(cfg Config) error {
+	if cfg.Python == "" {
+		return fmt.Errorf("a zygote needs python")
+	}
+	env := append(childEnv(&cfg),
+		"KILN_DRIVER="+kernel.Driver,
+		"KILN_PRELOAD="+strings.Join(cfg.Preload, ","),
+		"KILN_ZYGOTE="+kernel.Zygote)
+	argv := []string{cfg.Python, "-u", "-c", kernel.Bootstrap}
+	return fmt.Errorf("executing zygote: %w", syscall.Exec(cfg.Python, argv, env))
+}
+
+// Adopted is a kernel the agent did not start: its pid (a child of the
+// box's PID 1, not of this agent) and the agent's ends of its pipes.
+type Adopted struct {
+	Pid                int
+	Req, Res, Out, Err *os.File
+}
+
+// AdoptedFiles are the descriptors, in order, at which an adopted
+// kernel's pipes reach the agent: 3 (requests), 4 (results), 5 (stdout)
+// and 6 (stderr).
+func AdoptedFiles() []*os.File {
+	return []*os.File{
+		os.NewFile(3, "kernel-req"), os.NewFile(4, "kernel-res"),
+		os.NewFile(5, "kernel-out"), os.NewFile(6, "kernel-err"),
+	}
+}
+
+// adoptKernel wraps an adopted kernel and waits for its hello.
+func adoptKernel(a *Adopted) (*pyKernel, error) {
+	proc, err := os.FindProcess(a.Pid)
+	if err != nil {
+		return nil, fmt.Errorf("finding the adopted kernel: %w", err)
+	}
+	k := &pyKernel{
+		proc: proc,
+		req:  a.Req, resFile: a.Res, res: bufio.NewReaderSize(a.Res, 1<<16),
+		out: newDemux(), errs: newDemux(), exited: make(chan struct{}),
+	}
+	go k.pump(a.Out, k.out)
+	go k.pump(a.Err, k.errs)
+	go func() { waitExit(a.Pid); close(k.exited) }()
+	if err := k.waitReady(); err != nil {
+		return nil, err
+	}
+	return k, nil
+}

@@ -1,0 +1,65 @@
+package jail
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+)
+
+// ZygoteInitArg is the hidden first argument with which kiln re-executes
+// itself as a zygote template's init: it builds the template's root like a
+// box's, keeps the capabilities of root in the template's user namespace
+// (forks need them to set themselves up) and execs kiln-agent -zygote,
+// which becomes the template's python.
+const ZygoteInitArg = "__kiln_jail_zygote"
+
+// runZygoteInit is the template's init. fd 3 carries the config, fd 4 the
+// executable, fd 5 the control socket, which the template gets on fd 3.
+func runZygoteInit() error {
+	unix.Close(4)
+	f := os.NewFile(3, "config")
+	var cfg initConfig
+	if err := json.NewDecoder(f).Decode(&cfg); err != nil {
+		return fmt.Errorf("reading config: %w", err)
+	}
+	f.Close()
+	steps := []struct {
+		name string
+		fn   func(*initConfig) error
+	}{
+		{"building root", buildRoot},
+		{"unmasking /proc", unmaskProc},
+		{"entering root", enterRoot},
+	}
+	for _, s := range steps {
+		if err := s.fn(&cfg); err != nil {
+			return fmt.Errorf("%s: %w", s.name, err)
+		}
+	}
+	if err := unix.Setrlimit(unix.RLIMIT_CORE, &unix.Rlimit{}); err != nil {
+		return fmt.Errorf("setting limits: %w", err)
+	}
+	if err := unix.Dup2(5, 3); err != nil {
+		return fmt.Errorf("placing control socket: %w", err)
+	}
+	unix.Close(5)
+	argv := append([]string{"kiln-agent"}, cfg.AgentArgs...)
+	return fmt.Errorf("executing agent: %w", unix.Exec("/.kiln/agent", argv, cfg.Env))
+}
+
+// unmaskProc takes the masks off the template's /proc: a box's fresh
+// /proc, mounted in its own user namespace, is only allowed where a fully
+// visible one exists. No model code ever runs in the template; every box
+// masks its own /proc again.
+func unmaskProc(cfg *initConfig) error {
+	proc := filepath.Join(cfg.Root, "proc")
+	for _, p := range append(procMasks, "sys") {
+		if err := unix.Unmount(filepath.Join(proc, p), unix.MNT_DETACH); err != nil && err != unix.EINVAL && err != unix.ENOENT {
+			return fmt.Errorf("unmounting %s: %w", p, err)
+		}
+	}
+	return nil
+}
