@@ -167,10 +167,10 @@ type fakeFirecracker struct {
 	mu       sync.Mutex
 	calls    []string // "PUT /drives/{drive_id}" form
 	bodies   []map[string]any
-	state    string // "Not started", "Running", "Paused"
-	touched  bool   // any resource configured (snapshot/load must come first)
+	state    string                                     // "Not started", "Running", "Paused"
+	touched  bool                                       // any resource configured (snapshot/load must come first)
 	hook     func(op string, body map[string]any) error // runs after a valid call
-	failNext string // make the next call to this operation fail
+	failNext string                                     // make the next call to this operation fail
 }
 
 func (f *fakeFirecracker) route(method, path string) (string, map[string]string) {
