@@ -99,6 +99,9 @@ func Build(ctx context.Context, opts Options) (*Image, error) {
 		return nil, fmt.Errorf("packing image: %w", err)
 	}
 	log.Info("image built", "dir", dir, "took", time.Since(start).Round(time.Millisecond))
+	if err := pruneImages(opts.CacheDir, Keep); err != nil {
+		log.Warn("pruning old images", "err", err)
+	}
 	return im, nil
 }
 

@@ -131,6 +131,35 @@ func Lookup(opts Options) (*Image, error) {
 	return Open(filepath.Join(opts.CacheDir, "image-"+key))
 }
 
+// Keep is how many finished images Build keeps in the cache: every new
+// agent binary makes a new image, and each is the size of its root
+// filesystem. The newest Keep survive; the base they share is kept too.
+const Keep = 3
+
+// pruneImages removes all but the newest keep images in cacheDir. A server still
+// using a removed image keeps its open files; new VMs need a new image.
+func pruneImages(cacheDir string, keep int) error {
+	ms, _ := filepath.Glob(filepath.Join(cacheDir, "image-*", manifestName))
+	type img struct {
+		dir string
+		t   int64
+	}
+	var imgs []img
+	for _, m := range ms {
+		if fi, err := os.Stat(m); err == nil {
+			imgs = append(imgs, img{filepath.Dir(m), fi.ModTime().UnixNano()})
+		}
+	}
+	slices.SortFunc(imgs, func(a, b img) int { return int(b.t - a.t) })
+	var errs []error
+	for i, im := range imgs {
+		if i >= keep {
+			errs = append(errs, os.RemoveAll(im.dir))
+		}
+	}
+	return errors.Join(errs...)
+}
+
 // Latest returns the most recently built image in the cache, whatever its
 // inputs; for servers that were not told which image to use.
 func Latest(cacheDir string) (*Image, error) {

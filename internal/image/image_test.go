@@ -3,8 +3,11 @@ package image
 import (
 	"bytes"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strconv"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 )
@@ -148,4 +151,25 @@ func TestKeys(t *testing.T) {
 		}
 	}
 	_ = fmt.Sprint
+}
+
+func TestPrune(t *testing.T) {
+	dir := t.TempDir()
+	for i := range 5 {
+		d := filepath.Join(dir, fmt.Sprintf("image-%d", i))
+		os.MkdirAll(d, 0o755)
+		m := filepath.Join(d, manifestName)
+		os.WriteFile(m, []byte("{}"), 0o644)
+		tm := time.Unix(int64(1000+i), 0)
+		os.Chtimes(m, tm, tm)
+	}
+	os.MkdirAll(filepath.Join(dir, "base-x"), 0o755)
+	if err := pruneImages(dir, 2); err != nil {
+		t.Fatal(err)
+	}
+	left, _ := filepath.Glob(filepath.Join(dir, "*"))
+	want := []string{filepath.Join(dir, "base-x"), filepath.Join(dir, "image-3"), filepath.Join(dir, "image-4")}
+	if d := cmp.Diff(want, left); d != "" {
+		t.Errorf("left (-want +got):\n%s", d)
+	}
 }

@@ -16,6 +16,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -696,7 +697,38 @@ func (b *Backend) saveTemplate(ctx context.Context, t *template, l sandbox.Limit
 	}
 	ok = true
 	t.hello = hello
+	b.pruneTemplates(t.dir)
 	return nil
+}
+
+// keepTemplates bounds the saved templates in StateDir (each holds the
+// touched part of a guest's RAM): the newest are kept.
+const keepTemplates = 8
+
+func (b *Backend) pruneTemplates(keep string) {
+	dirs, _ := filepath.Glob(filepath.Join(b.opts.StateDir, "tpl-*"))
+	type tpl struct {
+		dir string
+		t   int64
+	}
+	var ts []tpl
+	for _, d := range dirs {
+		if fi, err := os.Stat(filepath.Join(d, "hello")); err == nil && d != keep {
+			ts = append(ts, tpl{d, fi.ModTime().UnixNano()})
+		}
+	}
+	slices.SortFunc(ts, func(a, b tpl) int { return int(b.t - a.t) })
+	b.mu.Lock()
+	inUse := map[string]bool{}
+	for _, t := range b.templates {
+		inUse[t.dir] = true
+	}
+	b.mu.Unlock()
+	for i, t := range ts {
+		if i >= keepTemplates-1 && !inUse[t.dir] {
+			os.RemoveAll(t.dir)
+		}
+	}
 }
 
 func randomID() string {
