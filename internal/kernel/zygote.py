@@ -8,16 +8,17 @@
 # rlimits, Landlock rules, the seccomp program); this file only carries it
 # out, in this order:
 #
-#   template ─fork─▶ C  joins the box's cgroup (the host moves it), then
-#                   ─fork─▶ D  unshares user, mount, pid, net, ipc, uts and
-#                              cgroup namespaces; C writes D's id maps
-#                             ─fork─▶ G  PID 1 of the box: mounts /work,
-#                                        /tmp, /dev/shm and /proc, hostname,
-#                                        loopback, rlimits, drops every
-#                                        privilege, Landlock, seccomp
-#                                       ─fork─▶ K  the box's kernel: serve()
-#                                        G then execs kiln-agent, which
-#                                        adopts K over four pipes.
+#   template ─fork─▶ G  into a fresh pid namespace, whose PID 1 it is.
+#                       The host moves it into the box's cgroup; it
+#                       unshares a mount namespace and mounts /work, /tmp,
+#                       /dev/shm and /proc while it still holds the
+#                       template's capabilities; then it unshares user,
+#                       network, ipc, uts and cgroup namespaces, and the
+#                       template writes its id maps (one uid range per
+#                       box). G sets hostname, loopback and rlimits, drops
+#                       every privilege, enters Landlock and seccomp, and
+#             ─fork─▶ K  the box's kernel: serve(). G then execs kiln-agent,
+#                       which adopts K over four pipes.
 #
 # Library pages stay shared copy-on-write between the template and every
 # box. Nothing the template holds is secret, and a box cannot reach it: it
@@ -59,6 +60,7 @@ SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
 
 _CTL = None  # the control socket, fd 3
+_PIDNS = -1  # our own pid namespace
 
 
 def _check(ret, what):
@@ -164,40 +166,30 @@ def _say(fd, byte):
     os.write(fd, byte)
 
 
-def _box(plan):
-    """C: runs with fds 0/1 = the box's stream, 2 = its error pipe."""
+def _setns(fd, nstype):
+    _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(nstype)), "setns")
+
+
+def _box(plan, to_t, from_t):
+    """G, PID 1 of a fresh pid namespace, still in the template's others.
+    Runs with fds 0/1 = the box's stream, 2 = its error pipe."""
     _say(1, b"c")
     if os.read(0, 1) != b"k":
         raise RuntimeError("the host did not place the box in its cgroup")
-    to_c_r, to_c_w = os.pipe()
-    to_d_r, to_d_w = os.pipe()
-    d = os.fork()
-    if d:
-        os.close(to_c_w)
-        os.close(to_d_r)
-        if os.read(to_c_r, 1) != b"u":
-            os._exit(1)
-        for name in ("setgroups", "gid_map", "uid_map"):
-            with open("/proc/%d/%s" % (d, name), "w") as f:
-                f.write({"setgroups": "deny", "gid_map": plan["gid_map"], "uid_map": plan["uid_map"]}[name])
-        os.write(to_d_w, b"m")
-        os._exit(0)
-    # D
-    os.close(to_c_r)
-    os.close(to_d_w)
-    _unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP)
-    os.write(to_c_w, b"u")
-    if os.read(to_d_r, 1) != b"m":
-        os._exit(1)
-    os.close(to_c_w)
-    os.close(to_d_r)
-    os.setresgid(0, 0, 0)
-    os.setresuid(0, 0, 0)
-    if os.fork():
-        os._exit(0)
-    # G: PID 1 of the box.
+    # Mounts first, while we hold the template's capabilities: this mount
+    # namespace and our pid namespace belong to its user namespace, so no
+    # one in the box's own user namespace can ever change them.
+    _unshare(CLONE_NEWNS)
     for m in plan["mounts"]:
         _mount(m)
+    _unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP)
+    os.write(to_t, b"u")
+    if os.read(from_t, 1) != b"m":
+        raise RuntimeError("the template did not map the box's ids")
+    os.close(to_t)
+    os.close(from_t)
+    os.setresgid(0, 0, 0)
+    os.setresuid(0, 0, 0)
     socket.sethostname(plan["hostname"])
     _loopback_up()
     for res, val in plan["rlimits"]:
@@ -219,7 +211,6 @@ def _box(plan):
         _arrange([null, out_w, err_w, req_r, res_w])
         return
     _arrange([0, 1, 2, req_w, res_r, out_r, err_r])
-    _say(1, b"g")
     argv = ["kiln-agent"] + plan["agent_args"] + ["-adopt-kernel", str(k)]
     os.execve(plan["agent"], argv, dict(kv.split("=", 1) for kv in plan["env"]))
 
@@ -235,25 +226,39 @@ def _reseed():
 
 
 def _spawn(plan, fds):
-    """Fork C for one box. Returns True in the box's kernel only, False in
-    the template."""
+    """Fork G, the box's first process, into a fresh pid namespace, and
+    write its id maps once it has its own user namespace. Returns True in
+    the box's kernel only, False in the template."""
+    a_r = a_w = b_r = b_w = -1
     try:
+        # Our children go into a new pid namespace (setns back to our
+        # own first: unshare refuses while the last one is pending).
+        _setns(_PIDNS, CLONE_NEWPID)
+        _unshare(CLONE_NEWPID)
+        a_r, a_w = os.pipe()  # G to the template
+        b_r, b_w = os.pipe()  # the template to G
         pid = os.fork()
     except OSError as e:
         try:
-            os.write(fds[1], ("kiln zygote: fork: %s\n" % e).encode())
+            os.write(fds[1], ("kiln zygote: forking: %s\n" % e).encode())
         except OSError:
             pass
         pid = -1
     if pid:
-        for fd in fds:
-            os.close(fd)
+        for fd in fds + [a_w, b_r]:
+            if fd >= 0:
+                os.close(fd)
+        if pid > 0:
+            _map(pid, plan, a_r, b_w)
+        for fd in (a_r, b_w):
+            if fd >= 0:
+                os.close(fd)
         return False
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         _CTL.detach()
-        _arrange([fds[0], fds[0], fds[1]])
-        _box(plan)
+        _arrange([fds[0], fds[0], fds[1], a_w, b_r])
+        _box(plan, 3, 4)
         _reseed()
         return True
     except BaseException as e:
@@ -264,10 +269,28 @@ def _spawn(plan, fds):
         os._exit(1)
 
 
+def _map(pid, plan, from_g, to_g):
+    """Write the box's uid and gid maps once it has unshared its user
+    namespace (the template, in the parent namespace, may; the box may not)."""
+    import select
+
+    ready, _, _ = select.select([from_g], [], [], 10)
+    if not ready or os.read(from_g, 1) != b"u":
+        return  # G died or hung; the host times out and destroys it
+    try:
+        for name, value in (("setgroups", "deny"), ("gid_map", plan["gid_map"]), ("uid_map", plan["uid_map"])):
+            with open("/proc/%d/%s" % (pid, name), "w") as f:
+                f.write(value)
+        os.write(to_g, b"m")
+    except OSError:
+        pass
+
+
 def zygote_main():
-    global _CTL
+    global _CTL, _PIDNS
     preloaded = prepare()
     _CTL = socket.socket(fileno=3)
+    _PIDNS = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     # Children of the template are reaped by the kernel; each box's
     # processes are reaped by its own PID 1.
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)

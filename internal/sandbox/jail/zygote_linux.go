@@ -291,6 +291,7 @@ func (b *Backend) forkBox(ctx context.Context, spec sandbox.Spec) (sandbox.Sandb
 
 func (b *Backend) fork(ctx context.Context, t *template, spec sandbox.Spec) (_ sandbox.Sandbox, err error) {
 	lim := spec.Limits.WithDefaults()
+	start := time.Now()
 	var cl cleanup
 	defer func() {
 		if err != nil {
@@ -307,8 +308,8 @@ func (b *Backend) fork(ctx context.Context, t *template, spec sandbox.Spec) (_ s
 	if err != nil {
 		return nil, fmt.Errorf("creating agent socket: %w", err)
 	}
-	// The box announces itself twice with one byte; the kernel attaches
-	// the sender's pid, translated into ours.
+	// The box announces itself with one byte; the kernel attaches the
+	// sender's pid, translated into ours.
 	if err := unix.SetsockoptInt(fds[0], unix.SOL_SOCKET, unix.SO_PASSCRED, 1); err != nil {
 		unix.Close(fds[0])
 		unix.Close(fds[1])
@@ -353,21 +354,15 @@ func (b *Backend) fork(ctx context.Context, t *template, spec sandbox.Spec) (_ s
 		}
 		return fmt.Errorf("forking jail: %s: %w", step, err)
 	}
-	pidC, err := readHello(host, 'c')
+	sent := time.Now()
+	// G, the box's PID 1, says 'c' first thing; it waits in the
+	// template's namespaces until it is in the box's cgroup.
+	pid, err := readHello(host, 'c')
 	if err != nil {
 		return nil, fail("waiting for the fork", err)
 	}
-	if err := cg.add(pidC); err != nil {
-		return nil, err
-	}
-	if _, err := host.Write([]byte{'k'}); err != nil {
-		return nil, fail("releasing the fork", err)
-	}
-	pidG, err := readHello(host, 'g')
-	if err != nil {
-		return nil, fail("waiting for the box", err)
-	}
-	pidfd, err := unix.PidfdOpen(pidG, 0)
+	forked := time.Now()
+	pidfd, err := unix.PidfdOpen(pid, 0)
 	if err != nil {
 		return nil, fmt.Errorf("watching the box's init: %w", err)
 	}
@@ -383,6 +378,12 @@ func (b *Backend) fork(ctx context.Context, t *template, spec sandbox.Spec) (_ s
 		}
 		return nil
 	})
+	if err := cg.add(pid); err != nil {
+		return nil, err
+	}
+	if _, err := host.Write([]byte{'k'}); err != nil {
+		return nil, fail("releasing the fork", err)
+	}
 	if rc, err := host.SyscallConn(); err == nil {
 		rc.Control(func(fd uintptr) { unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_PASSCRED, 0) })
 	}
@@ -399,6 +400,7 @@ func (b *Backend) fork(ctx context.Context, t *template, spec sandbox.Spec) (_ s
 	if err != nil {
 		return nil, fail("starting the agent", err) // NewAgentConn destroyed the box
 	}
+	b.log.Debug("forked a box", "id", spec.ID, "cgroup", sent.Sub(start), "fork", forked.Sub(sent), "ready", time.Since(forked))
 	return &jailBox{AgentConn: conn, cg: cg}, nil
 }
 

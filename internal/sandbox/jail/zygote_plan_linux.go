@@ -66,7 +66,7 @@ const (
 func (z *zygotes) plan(spec sandbox.Spec, lim sandbox.Limits, slot int) *boxPlan {
 	b := z.b
 	idMap := fmt.Sprintf("0 %d %d", slot*uidRange, uidRange)
-	tmpfsOpts := func(mode string, size int64, inodes int, owner int) string {
+	tmpfsOpts := func(mode string, size int64, inodes, owner int) string {
 		s := "mode=" + mode + ",size=" + strconv.FormatInt(size, 10)
 		if inodes > 0 {
 			s += ",nr_inodes=" + strconv.Itoa(inodes)
@@ -79,7 +79,9 @@ func (z *zygotes) plan(spec sandbox.Spec, lim sandbox.Limits, slot int) *boxPlan
 	const tmpfsFlags = unix.MS_NOSUID | unix.MS_NODEV
 	const procFlags = unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOEXEC
 	mounts := []planMount{
-		{Src: "tmpfs", Dst: "/work", Type: "tmpfs", Flags: tmpfsFlags, Data: tmpfsOpts("755", lim.WorkspaceBytes, lim.Inodes, boxUID)},
+		// Mounted before the box has its user namespace: the owner is
+		// named in the template's, where the box's uid 0 is slot*uidRange.
+		{Src: "tmpfs", Dst: "/work", Type: "tmpfs", Flags: tmpfsFlags, Data: tmpfsOpts("755", lim.WorkspaceBytes, lim.Inodes, slot*uidRange+boxUID)},
 		{Src: "tmpfs", Dst: "/tmp", Type: "tmpfs", Flags: tmpfsFlags, Data: tmpfsOpts("1777", lim.TmpBytes, lim.Inodes, -1)},
 		{Src: "tmpfs", Dst: "/dev/shm", Type: "tmpfs", Flags: tmpfsFlags, Data: tmpfsOpts("1777", devShmBytes, devShmInodes, -1)},
 		{Src: "proc", Dst: "/proc", Type: "proc", Flags: procFlags},
