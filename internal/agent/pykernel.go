@@ -27,7 +27,7 @@ const maxResultLine = 48 << 20
 type pyKernel struct {
 	proc    *os.Process
 	state   func() *os.ProcessState // nil while running, and for an adopted kernel
-	req     *os.File // our end of the driver's fd 3
+	req     *os.File                // our end of the driver's fd 3
 	res     *bufio.Reader
 	resFile *os.File
 	out     *demux
