@@ -22,6 +22,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -33,7 +34,7 @@ const recipe = 1
 
 // Sentinel errors of the package.
 var (
-	ErrNoAgent     = errors.New("image: no kiln-agent binary given")
+	ErrNoAgent     = errors.New("image: no kiln-agent binary (CGO_ENABLED=0 go build ./cmd/kiln-agent; put it next to kiln or on PATH, or pass its path)")
 	ErrUnsupported = errors.New("image: building images is supported on Linux only")
 	ErrNotBuilt    = errors.New("image: not built yet (run kiln image build)")
 )
@@ -60,8 +61,8 @@ var prune = []string{
 type Options struct {
 	// CacheDir holds built images; default os.UserCacheDir()/kiln/images.
 	CacheDir string
-	// Agent is the path of a static kiln-agent binary (CGO_ENABLED=0).
-	// Required by Build.
+	// Agent is the path of a static kiln-agent binary (CGO_ENABLED=0);
+	// default DefaultAgent().
 	Agent string
 	// Suite is the Debian release; default the host's (or "bookworm").
 	Suite string
@@ -224,7 +225,26 @@ func (o Options) withDefaults() (Options, error) {
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
 	}
+	if o.Agent == "" {
+		o.Agent = DefaultAgent()
+	}
 	return o, nil
+}
+
+// DefaultAgent is the kiln-agent binary used when Options.Agent is empty:
+// the one next to the running executable (make build puts both in bin/),
+// else the first on PATH, else "".
+func DefaultAgent() string {
+	if exe, err := os.Executable(); err == nil {
+		p := filepath.Join(filepath.Dir(exe), "kiln-agent")
+		if fi, err := os.Stat(p); err == nil && fi.Mode().IsRegular() {
+			return p
+		}
+	}
+	if p, err := exec.LookPath("kiln-agent"); err == nil {
+		return p
+	}
+	return ""
 }
 
 // baseKey names the cached debootstrap tree and kernel: everything but the

@@ -169,6 +169,14 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 	return sb, err
 }
 
+// Prepare makes (or loads) the template for spec's shape now, so that the
+// first Create does not wait for a boot. Servers call it at start.
+func (b *Backend) Prepare(ctx context.Context, spec sandbox.Spec) error {
+	limits := spec.Limits.WithDefaults()
+	_, err := b.template(ctx, b.vmConfig(limits, cleanPreload(spec.Preload)), limits)
+	return err
+}
+
 // Close kills every live VM and removes the run directory. Templates stay
 // in StateDir for the next run.
 func (b *Backend) Close() error {
