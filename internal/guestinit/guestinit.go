@@ -41,6 +41,17 @@ const (
 	CodeCgroup = "/sys/fs/cgroup/code"
 )
 
+// SeedPortName is the virtio-serial port on which the host sends fresh
+// entropy after restoring a clone. Every clone of a template starts with
+// the template's random state; QEMU's microvm has no VM generation ID to
+// tell the kernel, so PID 1 mixes what the host sends into the kernel's
+// pool, forces a reseed, and answers one byte so the host hands the box
+// out only after.
+const SeedPortName = "kiln.seed"
+
+// SeedSize is how much the host sends each time.
+const SeedSize = 32
+
 // ErrUnsupported is returned on operating systems other than Linux.
 var ErrUnsupported = errors.New("guestinit: not supported on this OS")
 

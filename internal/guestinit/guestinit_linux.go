@@ -191,7 +191,18 @@ func setupRoot(cfg Config) (string, error) {
 	if p.Transport == "vsock" {
 		return vsockStream(p.VsockPort)
 	}
-	return findPort(p.Port)
+	stream, err := findPort(p.Port)
+	if err != nil {
+		return "", err
+	}
+	// The seed port sits on the same device as the agent's: it is there
+	// by now if the host gave one.
+	if seed, err := lookupPort(SeedPortName); err == nil {
+		if err := serveSeed(seed); err != nil {
+			return "", err
+		}
+	}
+	return stream, nil
 }
 
 // codeCgroup mounts cgroup2 and makes CodeCgroup with the box's limits.
@@ -253,22 +264,30 @@ func loopbackUp() error {
 func findPort(name string) (string, error) {
 	deadline := time.Now().Add(portWait)
 	for {
-		dirs, _ := filepath.Glob("/sys/class/virtio-ports/*")
-		for _, d := range dirs {
-			b, err := os.ReadFile(filepath.Join(d, "name"))
-			if err != nil || strings.TrimSpace(string(b)) != name {
-				continue
-			}
-			dev := "/dev/" + filepath.Base(d)
-			if _, err := os.Stat(dev); err == nil {
-				return dev, nil
-			}
+		if dev, err := lookupPort(name); err == nil {
+			return dev, nil
 		}
 		if time.Now().After(deadline) {
 			return "", fmt.Errorf("finding virtio-serial port %q: %w", name, os.ErrNotExist)
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// lookupPort returns the device of the named virtio-serial port, if any.
+func lookupPort(name string) (string, error) {
+	dirs, _ := filepath.Glob("/sys/class/virtio-ports/*")
+	for _, d := range dirs {
+		b, err := os.ReadFile(filepath.Join(d, "name"))
+		if err != nil || strings.TrimSpace(string(b)) != name {
+			continue
+		}
+		dev := "/dev/" + filepath.Base(d)
+		if _, err := os.Stat(dev); err == nil {
+			return dev, nil
+		}
+	}
+	return "", os.ErrNotExist
 }
 
 // PowerOff flushes and powers the guest off. It returns only if the kernel

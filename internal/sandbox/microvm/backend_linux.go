@@ -25,6 +25,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"kiln/internal/agentproto"
+	"kiln/internal/guestinit"
 	"kiln/internal/sandbox"
 )
 
@@ -262,6 +263,7 @@ func (b *Backend) restore(ctx context.Context, id string, tpl *template, l sandb
 		{"wait loaded", v.waitMigrated},
 		// The template was paused when saved, so the clone is too.
 		{"resume", v.qmp.cont},
+		{"reseed guest", v.reseed},
 	}
 	if err := runSteps(ctx, v.log, steps); err != nil {
 		v.destroy()
@@ -307,6 +309,7 @@ type vm struct {
 	log   *slog.Logger
 	cmd   *exec.Cmd
 	agent net.Conn
+	seed  net.Conn
 	qmp   *qmp
 
 	exited  chan struct{}
@@ -338,7 +341,6 @@ func (b *Backend) start(ctx context.Context, id string, cfg vmConfig, l sandbox.
 		return nil, err
 	}
 	cfg.Console = filepath.Join(v.dir, "console.log")
-	cfg.VMGenID = randomGUID()
 
 	agentHost, agentChild, err := socketpair()
 	if err != nil {
@@ -352,9 +354,17 @@ func (b *Backend) start(ctx context.Context, id string, cfg vmConfig, l sandbox.
 		return nil, err
 	}
 	v.defer_(closer(qmpHost))
+	seedHost, seedChild, err := socketpair()
+	if err != nil {
+		agentChild.Close()
+		qmpChild.Close()
+		return nil, err
+	}
+	v.seed = seedHost
+	v.defer_(closer(seedHost))
 
 	cmd := exec.Command(cfg.QEMU, cfg.args()...)
-	cmd.ExtraFiles = []*os.File{agentChild, qmpChild}
+	cmd.ExtraFiles = []*os.File{agentChild, qmpChild, seedChild}
 	if state != nil {
 		cmd.ExtraFiles = append(cmd.ExtraFiles, state)
 	}
@@ -370,6 +380,7 @@ func (b *Backend) start(ctx context.Context, id string, cfg vmConfig, l sandbox.
 		if cg, err = newCgroup(b.opts.Cgroup, id, b.qemuLimits(cfg, l)); err != nil {
 			agentChild.Close()
 			qmpChild.Close()
+			seedChild.Close()
 			return nil, err
 		}
 		v.defer_(cg.remove)
@@ -378,6 +389,7 @@ func (b *Backend) start(ctx context.Context, id string, cfg vmConfig, l sandbox.
 	err = cmd.Start()
 	agentChild.Close()
 	qmpChild.Close()
+	seedChild.Close()
 	if err != nil {
 		return nil, fmt.Errorf("starting qemu: %w", err)
 	}
@@ -437,6 +449,23 @@ func (v *vm) destroy() error {
 		v.err = errors.Join(errs...)
 	})
 	return v.err
+}
+
+// reseed sends the guest fresh entropy and waits for guestinit to have
+// reseeded the kernel's RNG: without it every clone of a template would
+// draw the same random numbers until the kernel reseeded by itself.
+func (v *vm) reseed(ctx context.Context) error {
+	stop := context.AfterFunc(ctx, func() { v.seed.Close() })
+	defer stop()
+	seed := make([]byte, guestinit.SeedSize)
+	rand.Read(seed)
+	if _, err := v.seed.Write(seed); err != nil {
+		return errors.Join(err, ctx.Err())
+	}
+	if _, err := io.ReadFull(v.seed, seed[:1]); err != nil {
+		return errors.Join(err, ctx.Err())
+	}
+	return nil
 }
 
 // waitMigrated polls QMP until the incoming state has loaded.
@@ -530,13 +559,13 @@ func (b *Backend) templateKey(cfg vmConfig) string {
 		qemuID = fmt.Sprintf("%d-%d", fi.Size(), fi.ModTime().UnixNano())
 	}
 	c := cfg
-	c.Console, c.VMGenID = "", ""
+	c.Console = ""
 	b2, _ := json.Marshal(struct {
 		Version int
 		Image   string
 		QEMU    string
 		Cfg     vmConfig
-	}{1, b.opts.Image.Key, qemuID, c})
+	}{2, b.opts.Image.Key, qemuID, c})
 	return hashKey(b2)
 }
 
@@ -743,15 +772,6 @@ func randomID() string {
 	var b [8]byte
 	rand.Read(b[:])
 	return hex.EncodeToString(b[:])
-}
-
-func randomGUID() string {
-	var b [16]byte
-	rand.Read(b[:])
-	b[6] = b[6]&0x0f | 0x40
-	b[8] = b[8]&0x3f | 0x80
-	h := hex.EncodeToString(b[:])
-	return h[:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:]
 }
 
 // qemuPIDs lists the QEMU processes of live VMs (for benchmarks of their

@@ -27,7 +27,9 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 
 func (b *Backend) Close() error { return nil }
 
-func (b *Backend) Prepare(ctx context.Context, spec sandbox.Spec) error { return sandbox.ErrUnsupported }
+func (b *Backend) Prepare(ctx context.Context, spec sandbox.Spec) error {
+	return sandbox.ErrUnsupported
+}
 
 // Firecracker is the Firecracker backend; it runs on Linux only.
 type Firecracker struct{}

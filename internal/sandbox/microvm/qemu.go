@@ -14,7 +14,8 @@ import (
 const (
 	fdAgent = 3 // our end of a socketpair: the agent's virtio-serial port
 	fdQMP   = 4 // our end of a socketpair: QMP
-	fdState = 5 // the migration stream: written by a template, read by a clone
+	fdSeed  = 5 // our end of a socketpair: entropy for a restored clone
+	fdState = 6 // the migration stream read by a clone
 )
 
 // vmConfig is everything that shapes one QEMU command line. Template and
@@ -33,7 +34,6 @@ type vmConfig struct {
 	MemShared bool   // share=on: a template writes its RAM to MemFile
 	Incoming  bool   // -incoming defer: a clone waits for its state
 	Console   string // file that receives the guest console
-	VMGenID   string // a fresh GUID per VM: the guest reseeds its RNG on restore
 	Seccomp   bool   // -sandbox on with the dangerous groups denied
 }
 
@@ -57,9 +57,11 @@ func (c vmConfig) args() []string {
 		"-append", c.Cmdline,
 		"-drive", "id=root,if=none,format=raw,readonly=on,file=" + escapeOpt(c.Rootfs),
 		"-device", "virtio-blk-device,drive=root",
-		"-device", "virtio-serial-device,max_ports=2",
+		"-device", "virtio-serial-device,max_ports=4",
 		"-chardev", fmt.Sprintf("socket,id=agent,fd=%d", fdAgent),
 		"-device", "virtserialport,chardev=agent,name=" + guestinit.PortName,
+		"-chardev", fmt.Sprintf("socket,id=seed,fd=%d", fdSeed),
+		"-device", "virtserialport,chardev=seed,name=" + guestinit.SeedPortName,
 		"-device", "virtio-rng-device",
 		"-chardev", fmt.Sprintf("socket,id=qmp,fd=%d", fdQMP),
 		"-mon", "chardev=qmp,mode=control",
@@ -77,9 +79,6 @@ func (c vmConfig) args() []string {
 		a = append(a,
 			"-object", fmt.Sprintf("memory-backend-file,id=ram,size=%dM,mem-path=%s,share=%s", c.MemoryMiB, escapeOpt(c.MemFile), share),
 			"-machine", "memory-backend=ram")
-	}
-	if c.VMGenID != "" {
-		a = append(a, "-device", "vmgenid,guid="+c.VMGenID)
 	}
 	if c.Incoming {
 		a = append(a, "-incoming", "defer")

@@ -1,0 +1,51 @@
+package guestinit
+
+import (
+	"encoding/binary"
+	"fmt"
+	"os"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// serveSeed reseeds the kernel's RNG from each SeedSize-byte message on
+// the port, acknowledging each with one byte.
+func serveSeed(path string) error {
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		return fmt.Errorf("opening seed port: %w", err)
+	}
+	rnd, err := os.OpenFile("/dev/random", os.O_WRONLY, 0)
+	if err != nil {
+		f.Close()
+		return fmt.Errorf("opening /dev/random: %w", err)
+	}
+	go func() {
+		buf := make([]byte, SeedSize)
+		for {
+			n, _ := f.Read(buf)
+			if n == 0 {
+				// EOF: no host end connected (a template being
+				// saved, or a VM going away). Wait for one.
+				time.Sleep(50 * time.Millisecond)
+				continue
+			}
+			reseed(int(rnd.Fd()), buf[:n])
+			f.Write([]byte{1})
+		}
+	}()
+	return nil
+}
+
+// reseed credits data to the input pool and reseeds the CRNG from it.
+func reseed(fd int, data []byte) {
+	// struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+	info := make([]byte, 8+(len(data)+3)&^3)
+	binary.NativeEndian.PutUint32(info[0:], uint32(len(data)*8))
+	binary.NativeEndian.PutUint32(info[4:], uint32(len(data)))
+	copy(info[8:], data)
+	unix.Syscall(unix.SYS_IOCTL, uintptr(fd), unix.RNDADDENTROPY, uintptr(unsafe.Pointer(&info[0])))
+	unix.Syscall(unix.SYS_IOCTL, uintptr(fd), unix.RNDRESEEDCRNG, 0)
+}
