@@ -3,11 +3,14 @@ package bench
 import (
 	"bufio"
 	"bytes"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
+	"time"
 )
 
 // finderFor returns how to find a backend's boxes: the jail names each
@@ -157,4 +160,90 @@ func readMemory(pid int) (memInfo, error) {
 		}
 	}
 	return m, sc.Err()
+}
+
+// cpuGroup is a cgroup that the bench, and so every server and box it
+// starts, runs in, to count their CPU time whatever else the machine is
+// doing. The jail moves boxes into cgroups of its own in the cpu, memory
+// and pids hierarchies; where cpuacct is a hierarchy of its own (cgroup v1)
+// they stay counted here. Under cgroup v2 they leave, and the count covers
+// only kiln itself.
+type cpuGroup struct {
+	dir, parent string
+	v2          bool
+}
+
+func newCPUGroup() (*cpuGroup, error) {
+	name := fmt.Sprintf("kiln-bench-%d", os.Getpid())
+	g := &cpuGroup{parent: "/sys/fs/cgroup/cpuacct"}
+	if _, err := os.Stat("/sys/fs/cgroup/cgroup.controllers"); err == nil {
+		g.parent, g.v2 = "/sys/fs/cgroup", true
+	} else if st, err := os.Lstat(g.parent); err != nil || !st.IsDir() {
+		return nil, fmt.Errorf("no cpuacct hierarchy of its own at %s", g.parent)
+	}
+	g.dir = filepath.Join(g.parent, name)
+	if err := os.Mkdir(g.dir, 0o755); err != nil {
+		return nil, fmt.Errorf("creating cpu accounting group: %w", err)
+	}
+	if err := os.WriteFile(filepath.Join(g.dir, "cgroup.procs"), []byte(strconv.Itoa(os.Getpid())), 0); err != nil {
+		os.Remove(g.dir)
+		return nil, fmt.Errorf("joining cpu accounting group: %w", err)
+	}
+	return g, nil
+}
+
+// usage is the CPU time used in the group so far.
+func (g *cpuGroup) usage() (time.Duration, error) {
+	if g.v2 {
+		b, err := os.ReadFile(filepath.Join(g.dir, "cpu.stat"))
+		if err != nil {
+			return 0, err
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			if v, ok := strings.CutPrefix(line, "usage_usec "); ok {
+				n, err := strconv.ParseInt(v, 10, 64)
+				return time.Duration(n) * time.Microsecond, err
+			}
+		}
+		return 0, errors.New("no usage_usec in cpu.stat")
+	}
+	b, err := os.ReadFile(filepath.Join(g.dir, "cpuacct.usage"))
+	if err != nil {
+		return 0, err
+	}
+	n, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+	return time.Duration(n), err
+}
+
+// selfCPU is the CPU time of the bench process itself.
+func selfCPU() time.Duration {
+	var ru syscall.Rusage
+	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// close leaves the group and removes it once its processes are gone.
+func (g *cpuGroup) close() {
+	os.WriteFile(filepath.Join(g.parent, "cgroup.procs"), []byte(strconv.Itoa(os.Getpid())), 0)
+	for range 50 {
+		if os.Remove(g.dir) == nil {
+			return
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// loadAverage is /proc/loadavg's first three fields.
+func loadAverage() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return ""
+	}
+	f := strings.Fields(string(b))
+	if len(f) < 3 {
+		return ""
+	}
+	return strings.Join(f[:3], " ")
 }

@@ -5,6 +5,7 @@ package bench
 import (
 	"errors"
 	"fmt"
+	"time"
 )
 
 var errNoProc = fmt.Errorf("bench: memory figures need Linux's /proc: %w", errors.ErrUnsupported)
@@ -16,3 +17,11 @@ func finderFor(string) boxFinder {
 func sharedMemory(int, map[string][]int) (int64, bool) { return 0, false }
 
 func readMemory(int) (memInfo, error) { return memInfo{}, errNoProc }
+
+type cpuGroup struct{}
+
+func newCPUGroup() (*cpuGroup, error)           { return nil, errNoProc }
+func (*cpuGroup) usage() (time.Duration, error) { return 0, errNoProc }
+func (*cpuGroup) close()                        {}
+func selfCPU() time.Duration                    { return 0 }
+func loadAverage() string                       { return "" }

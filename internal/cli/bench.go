@@ -46,6 +46,7 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	fs.IntVar(&opts.PoolWorkers, "pool-workers", 1, "--pool-workers of the servers")
 	fs.IntVar(&opts.IdleBoxes, "idle", 4, "idle sandboxes and sessions the memory figures look at")
 	fs.DurationVar(&opts.Settle, "settle", time.Second, "pause before each first call on a new session and each series")
+	fs.DurationVar(&opts.Gap, "gap", 100*time.Millisecond, "pause between the per-call runs of the warm-pool series")
 	fs.StringVar(&skip, "skip", "", "comma-separated measurements to leave out: spawn, session, first, percall, pandas, throughput, pss")
 	fs.StringVar(&zygote, "zygote", "", "jail: 1 to fork boxes from a zygote, 0 not to (default: the server's own default)")
 	if err := fs.Parse(args); err != nil {

@@ -17,8 +17,9 @@
 #                       template writes its id maps (one uid range per
 #                       box). G sets hostname, loopback and rlimits, drops
 #                       every privilege, enters Landlock and seccomp, and
-#             ─fork─▶ K  the box's kernel: serve(). G then execs kiln-agent,
-#                       which adopts K over four pipes.
+#             ─fork─▶ K  the box's kernel: serve(). G then spawns
+#                       kiln-agent, which adopts K over four pipes, and
+#                       stays the box's PID 1, reaping.
 #
 # Library pages stay shared copy-on-write between the template and every
 # box. Nothing the template holds is secret, and a box cannot reach it: it
@@ -210,9 +211,27 @@ def _box(plan, to_t, from_t):
         os.setpgid(0, 0)
         _arrange([null, out_w, err_w, req_r, res_w])
         return
+    # The agent serves as our child (KILN_AGENT_CHILD), spawned without
+    # copying our memory; we stay PID 1 and only reap, as its own PID 1
+    # mode would, until it exits.
     _arrange([0, 1, 2, req_w, res_r, out_r, err_r])
     argv = ["kiln-agent"] + plan["agent_args"] + ["-adopt-kernel", str(k)]
-    os.execve(plan["agent"], argv, dict(kv.split("=", 1) for kv in plan["env"]))
+    env = dict(kv.split("=", 1) for kv in plan["env"])
+    env["KILN_AGENT_CHILD"] = "1"
+    agent = os.posix_spawn(plan["agent"], argv, env)
+    os.closerange(0, 1 << 20)
+    # Box processes may signal their PID 1 only where it has a handler;
+    # leave them none (Python's own SIGINT one included).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            os._exit(1)
+        except InterruptedError:
+            continue
+        if pid == agent:
+            os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 
 def _reseed():
