@@ -7,7 +7,6 @@
 package agentproto
 
 import (
-	"bytes"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -132,21 +131,29 @@ func ReadFrame(r io.Reader, v any) error {
 	if n > MaxFrame {
 		return ErrFrameTooLarge
 	}
-	// Grow the buffer as bytes arrive rather than trusting the header: a
-	// peer that announces MaxFrame and sends nothing costs nothing.
-	var buf bytes.Buffer
-	if n > 1<<20 {
-		buf.Grow(1 << 20)
-	} else {
-		buf.Grow(int(n))
-	}
-	if _, err := io.CopyN(&buf, r, int64(n)); err != nil {
+	// Trust the header only once the peer has sent a first MiB: a peer
+	// that announces MaxFrame and sends nothing costs nothing, and an
+	// honest frame is read into one buffer of its exact size. (Growing the
+	// buffer step by step left garbage of the frame's size or more, which
+	// pushed the agent of a 256 MiB box over its limit on a 33 MiB write.)
+	b := make([]byte, min(int(n), 1<<20))
+	if _, err := io.ReadFull(r, b); err != nil {
 		if err == io.EOF {
 			err = io.ErrUnexpectedEOF
 		}
 		return err
 	}
-	b := buf.Bytes()
+	if int(n) > len(b) {
+		full := make([]byte, n)
+		copy(full, b)
+		if _, err := io.ReadFull(r, full[len(b):]); err != nil {
+			if err == io.EOF {
+				err = io.ErrUnexpectedEOF
+			}
+			return err
+		}
+		b = full
+	}
 	if err := json.Unmarshal(b, v); err != nil {
 		return fmt.Errorf("decoding frame: %w", err)
 	}

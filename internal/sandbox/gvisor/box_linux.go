@@ -72,6 +72,7 @@ func (b *Backend) runscCmd(ctx context.Context, state string, args ...string) *e
 		"--overlay2=none",
 		"--cpu-num-from-quota",
 		"--host-uds=none",
+		"--oci-seccomp", // the box's syscall policy (seccompSpec)
 	}
 	if b.opts.Debug {
 		flags = append(flags, "--debug", "--debug-log="+filepath.Join(filepath.Dir(state), "logs")+"/")

@@ -146,6 +146,53 @@ func TestSpecPolicy(t *testing.T) {
 			t.Errorf("unexpected host bind %+v", m)
 		}
 	}
+	seccompPolicy(t, s.Linux.Seccomp)
+}
+
+// seccompPolicy checks that the box's OCI seccomp section carries the
+// shared syscall policy in the forms runsc understands: EPERM for the
+// denied names, clone with a namespace flag and AF_PACKET sockets; ENOSYS
+// (a trace action with no tracer) for clone3.
+func seccompPolicy(t *testing.T, sc *specs.LinuxSeccomp) {
+	t.Helper()
+	if sc == nil || sc.DefaultAction != specs.ActAllow {
+		t.Fatalf("seccomp: %+v, want default allow with rules", sc)
+	}
+	action := map[string]specs.LinuxSeccompAction{}
+	var cloneFlags []uint64
+	for _, r := range sc.Syscalls {
+		for _, n := range r.Names {
+			switch {
+			case n == "clone":
+				if r.Action != specs.ActErrno || len(r.Args) != 1 || r.Args[0].Op != specs.OpMaskedEqual || r.Args[0].Value != r.Args[0].ValueTwo {
+					t.Errorf("clone rule %+v", r)
+				} else {
+					cloneFlags = append(cloneFlags, r.Args[0].Value)
+				}
+			case n == "socket":
+				if r.Action != specs.ActErrno || len(r.Args) != 1 || r.Args[0].Op != specs.OpEqualTo || r.Args[0].Value != sandbox.AFPacket {
+					t.Errorf("socket rule %+v", r)
+				}
+			case len(r.Args) != 0:
+				t.Errorf("%s: conditional rule %+v", n, r)
+			default:
+				action[n] = r.Action
+			}
+		}
+	}
+	for _, n := range sandbox.DeniedSyscalls {
+		if action[n] != specs.ActErrno {
+			t.Errorf("%s: %q, want %q", n, action[n], specs.ActErrno)
+		}
+	}
+	for _, n := range sandbox.AbsentSyscalls {
+		if action[n] != specs.ActTrace {
+			t.Errorf("%s: %q, want %q (ENOSYS)", n, action[n], specs.ActTrace)
+		}
+	}
+	if !slices.Equal(cloneFlags, sandbox.DeniedCloneFlags) {
+		t.Errorf("clone flags refused %#x, want %#x", cloneFlags, sandbox.DeniedCloneFlags)
+	}
 }
 
 // TestHostEtcHoldsNoSecrets: the host /etc entries a box sees are a fixed

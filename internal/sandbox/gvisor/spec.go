@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"syscall"
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 
@@ -143,9 +144,41 @@ func buildSpec(c boxConfig) *specs.Spec {
 				CPU:    &specs.LinuxCPU{Quota: &quota, Period: &period},
 			},
 			CgroupsPath:   c.CgroupPath,
+			Seccomp:       seccompSpec(),
 			MaskedPaths:   []string{"/proc/kcore", "/proc/keys", "/proc/timer_list", "/sys/firmware"},
 			ReadonlyPaths: []string{"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"},
 		},
+	}
+}
+
+// seccompSpec is the box's syscall policy (sandbox.DeniedSyscalls and the
+// rest, the jail's too) as an OCI seccomp section. gVisor's kernel applies
+// it to the box's processes; runsc reads it only with --oci-seccomp. The
+// host kernel never sees these syscalls, but each refused one is a part of
+// the sentry the box cannot reach (its user and mount namespaces, io_uring,
+// keys).
+//
+// runsc answers every SCMP_ACT_ERRNO with EPERM whatever errnoRet says, so
+// the absent syscalls (clone3) take SCMP_ACT_TRACE instead: with no tracer
+// the syscall fails with ENOSYS, and there is none, since ptrace is denied.
+// libc then falls back to clone(2), where the namespace flags are visible.
+func seccompSpec() *specs.LinuxSeccomp {
+	eperm := uint(syscall.EPERM)
+	sys := []specs.LinuxSyscall{{Names: sandbox.DeniedSyscalls, Action: specs.ActErrno, ErrnoRet: &eperm}}
+	// One rule per flag: runsc ANDs the conditions of one rule.
+	for _, flag := range sandbox.DeniedCloneFlags {
+		sys = append(sys, specs.LinuxSyscall{Names: []string{"clone"}, Action: specs.ActErrno, ErrnoRet: &eperm,
+			Args: []specs.LinuxSeccompArg{{Index: 0, Value: flag, ValueTwo: flag, Op: specs.OpMaskedEqual}}})
+	}
+	sys = append(sys,
+		specs.LinuxSyscall{Names: []string{"socket"}, Action: specs.ActErrno, ErrnoRet: &eperm,
+			Args: []specs.LinuxSeccompArg{{Index: 0, Value: sandbox.AFPacket, Op: specs.OpEqualTo}}},
+		specs.LinuxSyscall{Names: sandbox.AbsentSyscalls, Action: specs.ActTrace},
+	)
+	return &specs.LinuxSeccomp{
+		DefaultAction: specs.ActAllow,
+		Architectures: []specs.Arch{specs.ArchX86_64, specs.ArchAARCH64},
+		Syscalls:      sys,
 	}
 }
 

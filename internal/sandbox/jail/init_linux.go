@@ -15,6 +15,8 @@ import (
 	"github.com/landlock-lsm/go-landlock/landlock"
 	llsys "github.com/landlock-lsm/go-landlock/landlock/syscall"
 	"golang.org/x/sys/unix"
+
+	"kiln/internal/sandbox"
 )
 
 // InitArg is the hidden first argument with which kiln re-executes itself
@@ -359,11 +361,11 @@ func restrictFS(cfg *initConfig) error {
 
 func seccompFilter() seccomp.Filter {
 	var cond []seccomp.NameWithConditions
-	for _, flag := range deniedCloneFlags {
+	for _, flag := range sandbox.DeniedCloneFlags {
 		cond = append(cond, seccomp.NameWithConditions{Name: "clone", Conditions: []seccomp.Condition{{Argument: 0, Operation: seccomp.BitsSet, Value: flag}}})
 	}
 	cond = append(cond,
-		seccomp.NameWithConditions{Name: "socket", Conditions: []seccomp.Condition{{Argument: 0, Operation: seccomp.Equal, Value: afPacket}}},
+		seccomp.NameWithConditions{Name: "socket", Conditions: []seccomp.Condition{{Argument: 0, Operation: seccomp.Equal, Value: sandbox.AFPacket}}},
 	)
 	return seccomp.Filter{
 		NoNewPrivs: true,
@@ -371,11 +373,11 @@ func seccompFilter() seccomp.Filter {
 		Policy: seccomp.Policy{
 			DefaultAction: seccomp.ActionAllow,
 			Syscalls: []seccomp.SyscallGroup{
-				{Action: seccomp.ActionErrno, Names: deniedSyscalls},
+				{Action: seccomp.ActionErrno, Names: sandbox.DeniedSyscalls},
 				{Action: seccomp.ActionErrno, NamesWithCondtions: cond},
 				// clone3 passes its flags in memory, out of the filter's
 				// reach: say it does not exist, and libc falls back to clone.
-				{Action: seccomp.ActionErrno | seccomp.Action(unix.ENOSYS), Names: []string{"clone3"}},
+				{Action: seccomp.ActionErrno | seccomp.Action(unix.ENOSYS), Names: sandbox.AbsentSyscalls},
 			},
 		},
 	}

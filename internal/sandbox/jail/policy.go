@@ -55,36 +55,6 @@ func etcFiles(hostname, resolvConf string) map[string]string {
 // devNodes are bound from the host's /dev into the box's small /dev.
 var devNodes = []string{"null", "zero", "full", "random", "urandom"}
 
-// deniedSyscalls fail with EPERM in every box: they reach the kernel's
-// riskiest surfaces or the host (tracing, mounts and namespaces, BPF, keys,
-// modules, kexec, clocks, io_uring) and ordinary code has no need of them.
-var deniedSyscalls = []string{
-	"ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
-	"mount", "umount2", "pivot_root", "chroot", "unshare", "setns",
-	"open_tree", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
-	"bpf", "perf_event_open", "userfaultfd",
-	"keyctl", "add_key", "request_key",
-	"init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
-	"reboot", "swapon", "swapoff", "syslog", "acct", "quotactl", "vhangup",
-	"settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
-	"iopl", "ioperm", "open_by_handle_at", "name_to_handle_at", "lookup_dcookie",
-	"io_uring_setup", "io_uring_enter", "io_uring_register",
-	"fanotify_init",
-}
-
-// Namespace flags of clone(2): creating namespaces inside the box is refused.
-const (
-	cloneNewNS     = 0x00020000
-	cloneNewCgroup = 0x02000000
-	cloneNewUTS    = 0x04000000
-	cloneNewIPC    = 0x08000000
-	cloneNewUser   = 0x10000000
-	cloneNewPID    = 0x20000000
-	cloneNewNet    = 0x40000000
-)
-
-var deniedCloneFlags = []uint64{cloneNewNS, cloneNewCgroup, cloneNewUTS, cloneNewIPC, cloneNewUser, cloneNewPID, cloneNewNet}
-
-// afPacket sockets are refused by socket(2). Raw IP sockets need
-// CAP_NET_RAW, which no box holds; the victim test checks both.
-const afPacket = 17
+// The syscall policy (denied syscalls, clone namespace flags, AF_PACKET) is
+// shared with the other backends: sandbox.DeniedSyscalls and its neighbours
+// in internal/sandbox/policy.go, loaded by seccompFilter.

@@ -32,7 +32,8 @@ type Options struct {
 	// killer inside the sandbox, the host cgroup kills the sandbox). The
 	// memory bomb then must end in sandbox.ErrDied or an error result, and
 	// a new box from the backend must work; the session layer replaces a
-	// box that died.
+	// box that died. So may an inode fill, when the backend's tmpfs has no
+	// inode cap and its files count against the memory limit (gVisor).
 	MemoryBombKillsBox bool
 }
 
