@@ -41,16 +41,20 @@ const (
 	CodeCgroup = "/sys/fs/cgroup/code"
 )
 
-// SeedPortName is the virtio-serial port on which the host sends fresh
-// entropy after restoring a clone. Every clone of a template starts with
-// the template's random state; QEMU's microvm has no VM generation ID to
-// tell the kernel, so PID 1 mixes what the host sends into the kernel's
-// pool, forces a reseed, and answers one byte so the host hands the box
-// out only after.
+// SeedPortName is the virtio-serial port on which the host sends a fresh
+// seed after restoring a clone: SeedSize bytes of entropy, then the host's
+// wall-clock time as 8 bytes of big-endian Unix nanoseconds. Every clone
+// of a template starts with the template's random state and clock; QEMU's
+// microvm has no VM generation ID to tell the kernel. PID 1 mixes the
+// entropy into the kernel's pool, forces a reseed, sets the clock, and
+// answers one byte, so the host hands the box out only after.
 const SeedPortName = "kiln.seed"
 
-// SeedSize is how much the host sends each time.
-const SeedSize = 32
+// SeedSize is the entropy in a seed message; SeedMessageSize the whole.
+const (
+	SeedSize        = 32
+	SeedMessageSize = SeedSize + 8
+)
 
 // ErrUnsupported is returned on operating systems other than Linux.
 var ErrUnsupported = errors.New("guestinit: not supported on this OS")

@@ -3,6 +3,7 @@ package guestinit
 import (
 	"encoding/binary"
 	"fmt"
+	"io"
 	"os"
 	"time"
 	"unsafe"
@@ -10,8 +11,8 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// serveSeed reseeds the kernel's RNG from each SeedSize-byte message on
-// the port, acknowledging each with one byte.
+// serveSeed reseeds the kernel's RNG and sets the clock from each seed
+// message on the port, acknowledging each with one byte.
 func serveSeed(path string) error {
 	f, err := os.OpenFile(path, os.O_RDWR, 0)
 	if err != nil {
@@ -23,16 +24,18 @@ func serveSeed(path string) error {
 		return fmt.Errorf("opening /dev/random: %w", err)
 	}
 	go func() {
-		buf := make([]byte, SeedSize)
+		msg := make([]byte, SeedMessageSize)
 		for {
-			n, _ := f.Read(buf)
-			if n == 0 {
+			if _, err := io.ReadFull(f, msg); err != nil {
 				// EOF: no host end connected (a template being
 				// saved, or a VM going away). Wait for one.
 				time.Sleep(50 * time.Millisecond)
 				continue
 			}
-			reseed(int(rnd.Fd()), buf[:n])
+			reseed(int(rnd.Fd()), msg[:SeedSize])
+			ns := int64(binary.BigEndian.Uint64(msg[SeedSize:]))
+			ts := unix.NsecToTimespec(ns)
+			unix.ClockSettime(unix.CLOCK_REALTIME, &ts)
 			f.Write([]byte{1})
 		}
 	}()

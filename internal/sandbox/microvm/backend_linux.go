@@ -451,14 +451,17 @@ func (v *vm) destroy() error {
 	return v.err
 }
 
-// reseed sends the guest fresh entropy and waits for guestinit to have
-// reseeded the kernel's RNG: without it every clone of a template would
-// draw the same random numbers until the kernel reseeded by itself.
+// reseed sends the guest fresh entropy and the time, and waits for
+// guestinit to have reseeded the kernel's RNG and set the clock: without
+// it every clone of a template would draw the same random numbers until
+// the kernel reseeded by itself, and under KVM its clock would stand at
+// the template's save time.
 func (v *vm) reseed(ctx context.Context) error {
 	stop := context.AfterFunc(ctx, func() { v.seed.Close() })
 	defer stop()
-	seed := make([]byte, guestinit.SeedSize)
-	rand.Read(seed)
+	seed := make([]byte, guestinit.SeedMessageSize)
+	rand.Read(seed[:guestinit.SeedSize])
+	binary.BigEndian.PutUint64(seed[guestinit.SeedSize:], uint64(time.Now().UnixNano()))
 	if _, err := v.seed.Write(seed); err != nil {
 		return errors.Join(err, ctx.Err())
 	}
