@@ -17,6 +17,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -88,6 +89,7 @@ func New(opts Options) (*Backend, error) {
 			opts.BootTimeout = 5 * time.Minute
 		}
 	}
+	removeOrphans(opts.Cgroup)
 	for _, d := range []string{opts.StateDir, opts.RunDir} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
 			return nil, fmt.Errorf("creating %s: %w", d, err)
@@ -789,4 +791,27 @@ func (b *Backend) qemuPIDs() []int {
 		}
 	}
 	return pids
+}
+
+// removeOrphans deletes what servers that died without Close left: run
+// directories of processes that are gone and empty VM cgroups. (Their QEMU
+// processes died with them: Pdeathsig.)
+func removeOrphans(cgroupName string) {
+	dirs, _ := filepath.Glob(filepath.Join(os.TempDir(), "kiln-microvm-*"))
+	for _, d := range dirs {
+		pid, err := strconv.Atoi(strings.TrimPrefix(filepath.Base(d), "kiln-microvm-"))
+		if err != nil || pid == os.Getpid() {
+			continue
+		}
+		if _, err := os.Stat(fmt.Sprintf("/proc/%d", pid)); errors.Is(err, os.ErrNotExist) {
+			os.RemoveAll(d)
+		}
+	}
+	cgs, _ := filepath.Glob(filepath.Join(cgroupRoot, "*", cgroupName, "*", "cgroup.procs"))
+	v2, _ := filepath.Glob(filepath.Join(cgroupRoot, cgroupName, "*", "cgroup.procs"))
+	for _, procs := range append(cgs, v2...) {
+		if b, err := os.ReadFile(procs); err == nil && len(strings.TrimSpace(string(b))) == 0 {
+			os.Remove(filepath.Dir(procs)) // fails harmlessly if in use
+		}
+	}
 }
