@@ -82,7 +82,7 @@ func main() {
 	}
 	var kernel *agent.Adopted
 	if *adopt > 0 {
-		kernel = &agent.Adopted{Pid: *adopt, Req: adopted[0], Res: adopted[1], Out: adopted[2], Err: adopted[3]}
+		kernel = &agent.Adopted{Pid: *adopt, Req: adopted[0], Res: adopted[1], Out: adopted[2], Err: adopted[3], Status: adopted[4]}
 	}
 	a := agent.New(agent.Config{
 		Workspace: *workspace,

@@ -25,15 +25,18 @@ const maxResultLine = 48 << 20
 
 // pyKernel is one running python3 with the driver.
 type pyKernel struct {
-	proc    *os.Process
-	state   func() *os.ProcessState // nil while running, and for an adopted kernel
-	req     *os.File                // our end of the driver's fd 3
-	res     *bufio.Reader
-	resFile *os.File
-	out     *demux
-	errs    *demux
-	exited  chan struct{}
-	hello   driverHello
+	proc  *os.Process
+	state func() *os.ProcessState // nil while running, and for an adopted kernel
+	// adoptedStatus is an adopted kernel's wait status, reported by the
+	// box's PID 1 (set before exited is closed).
+	adoptedStatus *syscall.WaitStatus
+	req           *os.File // our end of the driver's fd 3
+	res           *bufio.Reader
+	resFile       *os.File
+	out           *demux
+	errs          *demux
+	exited        chan struct{}
+	hello         driverHello
 
 	mu      sync.Mutex
 	running bool
@@ -219,15 +222,21 @@ func (k *pyKernel) died() (*agentproto.ExecResult, error) {
 	stdout, stderr := k.out.flush().Stream(), k.errs.flush().Stream()
 	how := "exited"
 	sig := ""
+	ws, known := k.adoptedStatus, k.adoptedStatus != nil
 	if ps := k.processState(); ps != nil {
-		if ws, ok := ps.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+		if w, ok := ps.Sys().(syscall.WaitStatus); ok {
+			ws, known = &w, true
+		}
+	}
+	if known {
+		if ws.Signaled() {
 			sig = unixSignalName(ws.Signal())
 			how = "was killed by " + sig
 			if ws.Signal() == syscall.SIGKILL {
 				how += " (most often the memory limit)"
 			}
 		} else {
-			how = fmt.Sprintf("exited with status %d", ps.ExitCode())
+			how = fmt.Sprintf("exited with status %d", ws.ExitStatus())
 		}
 	}
 	return &agentproto.ExecResult{

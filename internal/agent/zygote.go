@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"fmt"
 	"os"
+	"strconv"
 	"strings"
 	"syscall"
 
@@ -35,16 +36,34 @@ func ExecZygote(cfg Config) error {
 type Adopted struct {
 	Pid                int
 	Req, Res, Out, Err *os.File
+	// Status carries the kernel's wait status from the box's PID 1, which
+	// reaps it; nil when there is none (then the exit is watched by pid).
+	Status *os.File
 }
 
 // AdoptedFiles are the descriptors, in order, at which an adopted
-// kernel's pipes reach the agent: 3 (requests), 4 (results), 5 (stdout)
-// and 6 (stderr).
+// kernel's pipes reach the agent: 3 (requests), 4 (results), 5 (stdout),
+// 6 (stderr) and 7 (its wait status, from PID 1).
 func AdoptedFiles() []*os.File {
 	return []*os.File{
 		os.NewFile(3, "kernel-req"), os.NewFile(4, "kernel-res"),
 		os.NewFile(5, "kernel-out"), os.NewFile(6, "kernel-err"),
+		os.NewFile(7, "kernel-status"),
 	}
+}
+
+// readStatus waits for PID 1's report of how the adopted kernel ended.
+func readStatus(f *os.File) (syscall.WaitStatus, bool) {
+	defer f.Close()
+	line, err := bufio.NewReader(f).ReadString('\n')
+	if err != nil {
+		return 0, false
+	}
+	n, err := strconv.Atoi(strings.TrimSpace(line))
+	if err != nil {
+		return 0, false
+	}
+	return syscall.WaitStatus(n), true
 }
 
 // adoptKernel wraps an adopted kernel and waits for its hello.
@@ -60,7 +79,15 @@ func adoptKernel(a *Adopted) (*pyKernel, error) {
 	}
 	go k.pump(a.Out, k.out)
 	go k.pump(a.Err, k.errs)
-	go func() { waitExit(a.Pid); close(k.exited) }()
+	go func() {
+		if a.Status != nil {
+			if ws, ok := readStatus(a.Status); ok {
+				k.adoptedStatus = &ws
+			}
+		}
+		waitExit(a.Pid) // returns at once when PID 1 has reaped it
+		close(k.exited)
+	}()
 	if err := k.waitReady(); err != nil {
 		return nil, err
 	}

@@ -102,6 +102,7 @@ type common struct {
 	runsc       string
 	allowNet    string
 	egressHosts string
+	zygote      bool
 	verbose     bool
 }
 
@@ -123,6 +124,7 @@ func (c *common) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.runsc, "runsc", "", "gvisor backend: a static runsc binary (default: the pinned build in kiln's cache)")
 	fs.StringVar(&c.allowNet, "allow-net", "", "hosts sandboxes may reach over HTTP(S), comma-separated: host, *.domain, host:port (default: none, loopback only)")
 	fs.StringVar(&c.egressHosts, "egress-hosts", "", "hosts file (/etc/hosts format) the egress gateway resolves names with before DNS")
+	fs.BoolVar(&c.zygote, "zygote", true, "jail: fork boxes from a template python with the preloaded modules imported (falls back to starting python per box where it cannot run)")
 	fs.BoolVar(&c.verbose, "v", false, "debug logging on stderr")
 }
 
@@ -178,13 +180,13 @@ func (c *common) network(log *slog.Logger) (*network, error) {
 }
 
 // newBackend builds the named backend.
-func newBackend(ctx context.Context, name, agent, runsc string, net *network, log *slog.Logger) (sandbox.Backend, error) {
+func newBackend(ctx context.Context, name, agent, runsc string, zygote bool, net *network, log *slog.Logger) (sandbox.Backend, error) {
 	if net == nil {
 		net = &network{}
 	}
 	switch name {
 	case "jail":
-		return jail.New(jail.Options{Agent: agent, Logger: log, Egress: net.gateway, Policy: net.policy})
+		return jail.New(jail.Options{Agent: agent, Logger: log, Egress: net.gateway, Policy: net.policy, Zygote: zygote})
 	case "gvisor":
 		if !net.policy.Empty() {
 			return nil, errors.New("--allow-net is not supported on the gvisor backend yet")
@@ -225,7 +227,7 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 	if err != nil {
 		return nil, err
 	}
-	b, err := newBackend(ctx, c.backend, c.agent, c.runsc, net, log)
+	b, err := newBackend(ctx, c.backend, c.agent, c.runsc, c.zygote, net, log)
 	if err != nil {
 		if net.gateway != nil {
 			net.gateway.Close()

@@ -143,7 +143,7 @@ func checkBackend(ctx context.Context, name, agent, runsc string, log *slog.Logg
 		}
 		runsc = p
 	}
-	b, err := newBackend(ctx, name, agent, runsc, nil, log)
+	b, err := newBackend(ctx, name, agent, runsc, false, nil, log)
 	if err != nil {
 		return err
 	}

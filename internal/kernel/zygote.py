@@ -204,6 +204,7 @@ def _box(plan, to_t, from_t):
     res_r, res_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
+    st_r, st_w = os.pipe()  # PID 1 tells the agent how the kernel ended
     null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
     k = os.fork()
     if k == 0:
@@ -214,12 +215,14 @@ def _box(plan, to_t, from_t):
     # The agent serves as our child (KILN_AGENT_CHILD), spawned without
     # copying our memory; we stay PID 1 and only reap, as its own PID 1
     # mode would, until it exits.
-    _arrange([0, 1, 2, req_w, res_r, out_r, err_r])
+    _arrange([0, 1, 2, req_w, res_r, out_r, err_r, st_r, st_w])
+    os.set_inheritable(8, False)  # the write end stays with PID 1
     argv = ["kiln-agent"] + plan["agent_args"] + ["-adopt-kernel", str(k)]
     env = dict(kv.split("=", 1) for kv in plan["env"])
     env["KILN_AGENT_CHILD"] = "1"
     agent = os.posix_spawn(plan["agent"], argv, env)
-    os.closerange(0, 1 << 20)
+    os.closerange(0, 8)
+    os.closerange(9, 1 << 20)
     # Box processes may signal their PID 1 only where it has a handler;
     # leave them none (Python's own SIGINT one included).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -230,6 +233,12 @@ def _box(plan, to_t, from_t):
             os._exit(1)
         except InterruptedError:
             continue
+        if pid == k:
+            try:
+                os.write(8, b"%d\n" % status)
+            except OSError:
+                pass
+            os.close(8)
         if pid == agent:
             os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
