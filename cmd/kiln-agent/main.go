@@ -84,7 +84,12 @@ func main() {
 	if *adopt > 0 {
 		kernel = &agent.Adopted{Pid: *adopt, Req: adopted[0], Res: adopted[1], Out: adopted[2], Err: adopted[3], Status: adopted[4]}
 	}
+	codeCgroup := ""
+	if *guest {
+		codeCgroup = guestinit.CodeCgroup // the guest's memory and pids limits for code
+	}
 	a := agent.New(agent.Config{
+		Cgroup:    codeCgroup,
 		Workspace: *workspace,
 		Python:    *python,
 		Preload:   mods,

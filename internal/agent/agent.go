@@ -36,6 +36,11 @@ type Config struct {
 	// UID and GID run code as this user when the agent itself runs as root
 	// (a microVM guest). -1 keeps the agent's own user.
 	UID, GID int
+	// Cgroup, if set, is a cgroup (v2) directory the kernel and shell
+	// commands start in, so its limits bind the code and not the agent (a
+	// microVM guest's memory limit).
+	Cgroup   string
+	cgroupFD int
 	// Adopt, if set, is the kernel a jail zygote forked for this box; the
 	// agent uses it instead of starting python itself (it starts a new
 	// one only if that kernel dies).
@@ -66,6 +71,13 @@ func New(cfg Config) *Agent {
 	}
 	if cfg.Workspace == "" {
 		cfg.Workspace = "/work"
+	}
+	if cfg.Cgroup != "" {
+		if fd, err := syscall.Open(cfg.Cgroup, syscall.O_RDONLY|syscall.O_DIRECTORY|syscall.O_CLOEXEC, 0); err == nil {
+			cfg.cgroupFD = fd
+		} else {
+			cfg.Logger.Warn("code cgroup unavailable; code is bounded by the box's own limits", "cgroup", cfg.Cgroup, "err", err)
+		}
 	}
 	return &Agent{cfg: &cfg, log: cfg.Logger, shells: make(map[*exec.Cmd]struct{})}
 }
@@ -251,6 +263,9 @@ func childAttr(cfg *Config) *syscall.SysProcAttr {
 	attr := &syscall.SysProcAttr{Setpgid: true}
 	if os.Getuid() == 0 && cfg.UID >= 0 {
 		attr.Credential = &syscall.Credential{Uid: uint32(cfg.UID), Gid: uint32(cfg.GID), NoSetGroups: true}
+	}
+	if cfg.cgroupFD > 0 {
+		setCgroupFD(attr, cfg.cgroupFD)
 	}
 	return attr
 }

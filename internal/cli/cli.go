@@ -20,10 +20,12 @@ import (
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
 	"kiln/internal/egress"
+	"kiln/internal/image"
 	"kiln/internal/mcpserver"
 	"kiln/internal/sandbox"
 	"kiln/internal/sandbox/gvisor"
 	"kiln/internal/sandbox/jail"
+	"kiln/internal/sandbox/microvm"
 	"kiln/internal/session"
 )
 
@@ -34,6 +36,7 @@ Usage:
   kiln serve [--addr A] [flags]    MCP over streamable HTTP at /mcp (bearer token)
   kiln run -c CODE | -f FILE       run once and print the result (--shell for bash)
   kiln install claude-desktop|claude-code [--write]
+  kiln image build [--force]       build the microVM guest image (Debian packages, cached)
   kiln doctor                      which backends work here, and why not
   kiln version
 
@@ -61,6 +64,8 @@ func Main(args []string, stdout, stderr io.Writer) int {
 		}
 	case "install":
 		err = runInstall(rest, stdout, stderr)
+	case "image":
+		err = runImage(rest, stdout, stderr)
 	case "doctor":
 		err = runDoctor(rest, stdout, stderr)
 	case "bench":
@@ -103,11 +108,13 @@ type common struct {
 	allowNet    string
 	egressHosts string
 	zygote      bool
+	accel       string
 	verbose     bool
 }
 
 func (c *common) register(fs *flag.FlagSet) {
-	fs.StringVar(&c.backend, "backend", "jail", "isolation backend: jail or gvisor")
+	fs.StringVar(&c.backend, "backend", "jail", "isolation backend: jail, gvisor or microvm")
+	fs.StringVar(&c.accel, "accel", "kvm", "microvm: kvm, or tcg (software emulation: for development only, not a security boundary)")
 	fs.StringVar(&c.mode, "mode", "session", "session (state persists per session) or per-call (a fresh sandbox for every call)")
 	fs.StringVar(&c.agent, "agent", "", "path of kiln-agent (default: next to kiln, then $PATH)")
 	fs.DurationVar(&c.timeout, "timeout", 30*time.Second, "default time limit of a call")
@@ -158,6 +165,12 @@ func splitList(s string) []string {
 // closer is implemented by backends that hold resources of their own.
 type closer interface{ Close() error }
 
+// preparer is implemented by backends that can make their template ahead
+// of the first call (a microVM boot takes seconds).
+type preparer interface {
+	Prepare(ctx context.Context, spec sandbox.Spec) error
+}
+
 // network is the egress configuration of a server.
 type network struct {
 	policy  egress.Policy
@@ -180,13 +193,29 @@ func (c *common) network(log *slog.Logger) (*network, error) {
 }
 
 // newBackend builds the named backend.
-func newBackend(ctx context.Context, name, agent, runsc string, zygote bool, net *network, log *slog.Logger) (sandbox.Backend, error) {
+func newBackend(ctx context.Context, name, agent, runsc string, zygote bool, accel string, net *network, log *slog.Logger) (sandbox.Backend, error) {
 	if net == nil {
 		net = &network{}
 	}
 	switch name {
 	case "jail":
 		return jail.New(jail.Options{Agent: agent, Logger: log, Egress: net.gateway, Policy: net.policy, Zygote: zygote})
+	case "microvm":
+		if !net.policy.Empty() {
+			return nil, errors.New("--allow-net is not supported on the microvm backend yet")
+		}
+		im, err := image.Latest("")
+		if err != nil {
+			return nil, fmt.Errorf("%w (build one with: kiln image build)", err)
+		}
+		b, err := microvm.New(microvm.Options{Image: im, Accel: accel, Logger: log})
+		if err != nil {
+			return nil, err
+		}
+		for _, n := range b.Notes() {
+			log.Warn(n)
+		}
+		return b, nil
 	case "gvisor":
 		if !net.policy.Empty() {
 			return nil, errors.New("--allow-net is not supported on the gvisor backend yet")
@@ -207,7 +236,7 @@ func newBackend(ctx context.Context, name, agent, runsc string, zygote bool, net
 		}
 		return gvisor.New(gvisor.Options{Agent: agent, Runsc: runsc, Logger: log})
 	}
-	return nil, fmt.Errorf("unknown backend %q (jail or gvisor)", name)
+	return nil, fmt.Errorf("unknown backend %q (jail, gvisor or microvm)", name)
 }
 
 // stack is a running backend, session manager and MCP server.
@@ -227,7 +256,7 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 	if err != nil {
 		return nil, err
 	}
-	b, err := newBackend(ctx, c.backend, c.agent, c.runsc, c.zygote, net, log)
+	b, err := newBackend(ctx, c.backend, c.agent, c.runsc, c.zygote, c.accel, net, log)
 	if err != nil {
 		if net.gateway != nil {
 			net.gateway.Close()
@@ -247,6 +276,14 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		PoolWorkers:    c.poolWorkers,
 		Logger:         log,
 	})
+	if p, ok := b.(preparer); ok {
+		spec := sandbox.Spec{Limits: mgr.Options().Limits, Preload: splitList(c.preload)}
+		go func() {
+			if err := p.Prepare(ctx, spec); err != nil {
+				log.Warn("preparing the template ahead of demand", "err", err)
+			}
+		}()
+	}
 	var rt sandbox.Runtime
 	if d, ok := b.(sandbox.Describer); ok {
 		rt = d.Runtime()

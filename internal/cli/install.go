@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"time"
 
 	"log/slog"
@@ -115,9 +116,9 @@ func runDoctor(args []string, stdout, stderr io.Writer) error {
 	}
 	log := discard()
 	ok := 0
-	for _, name := range []string{"jail", "gvisor"} {
+	for _, name := range []string{"jail", "gvisor", "microvm"} {
 		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-		err := checkBackend(ctx, name, c.agent, c.runsc, log)
+		err := checkBackend(ctx, name, c.agent, c.runsc, c.accel, log)
 		cancel()
 		if err == nil {
 			ok++
@@ -126,7 +127,6 @@ func runDoctor(args []string, stdout, stderr io.Writer) error {
 			fmt.Fprintf(stdout, "%-8s not available: %v\n", name, err)
 		}
 	}
-	fmt.Fprintf(stdout, "%-8s not built yet in this version\n", "microvm")
 	fmt.Fprintf(stdout, "%-8s not built yet in this version\n", "wasm")
 	if ok == 0 {
 		return errors.New("no backend works on this host")
@@ -134,7 +134,7 @@ func runDoctor(args []string, stdout, stderr io.Writer) error {
 	return nil
 }
 
-func checkBackend(ctx context.Context, name, agent, runsc string, log *slog.Logger) error {
+func checkBackend(ctx context.Context, name, agent, runsc, accel string, log *slog.Logger) error {
 	if name == "gvisor" && runsc == "" {
 		// Doctor does not build runsc (a minute or more); it checks the cached one.
 		p, err := cachedRunsc()
@@ -143,7 +143,7 @@ func checkBackend(ctx context.Context, name, agent, runsc string, log *slog.Logg
 		}
 		runsc = p
 	}
-	b, err := newBackend(ctx, name, agent, runsc, false, nil, log)
+	b, err := newBackend(ctx, name, agent, runsc, false, accel, nil, log)
 	if err != nil {
 		return err
 	}
@@ -151,7 +151,30 @@ func checkBackend(ctx context.Context, name, agent, runsc string, log *slog.Logg
 		defer c.Close()
 	}
 	if chk, ok := b.(sandbox.Checker); ok {
-		return chk.Check(ctx)
+		if err := chk.Check(ctx); err != nil {
+			return err
+		}
+	}
+	if n, ok := b.(interface{ Notes() []string }); ok {
+		for _, note := range n.Notes() {
+			fmt.Fprintf(os.Stderr, "%-8s note: %s\n", name, note)
+		}
+	}
+	// A backend whose check does not start a box (microvm) proves here
+	// that one starts and runs code.
+	if name == "microvm" {
+		box, err := b.Create(ctx, sandbox.Spec{ID: "doctor"})
+		if err != nil {
+			return fmt.Errorf("starting a VM: %w", err)
+		}
+		defer box.Close()
+		res, err := box.RunShell(ctx, "echo ok", sandbox.ExecOptions{})
+		if err != nil {
+			return fmt.Errorf("running code in a VM: %w", err)
+		}
+		if strings.TrimSpace(res.Stdout.Text) != "ok" {
+			return fmt.Errorf("running code in a VM: got %q", res.Stdout.Text)
+		}
 	}
 	return nil
 }

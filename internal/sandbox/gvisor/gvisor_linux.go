@@ -253,7 +253,7 @@ func (b *Backend) restore(ctx context.Context, id string, s boxSpec, t *template
 	if t.hello.Python != "" {
 		// Every box restored from one image starts with the same random
 		// state; draw fresh seeds from the (host) entropy source.
-		if _, err := conn.RunPython(ctx, reseedCell, sandbox.ExecOptions{MaxOutput: 4096}); err != nil {
+		if _, err := conn.RunPython(ctx, sandbox.ReseedCell, sandbox.ExecOptions{MaxOutput: 4096}); err != nil {
 			conn.Close()
 			return nil, fmt.Errorf("reseeding restored box: %w", err)
 		}

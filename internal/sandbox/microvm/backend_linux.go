@@ -276,6 +276,11 @@ func (b *Backend) restore(ctx context.Context, id string, tpl *template, l sandb
 	if err != nil {
 		return nil, fmt.Errorf("restoring vm: %w", err)
 	}
+	// Clones share the template's memory, Python's random state included.
+	if _, err := sb.RunPython(ctx, sandbox.ReseedCell, sandbox.ExecOptions{MaxOutput: 4096}); err != nil {
+		sb.Close()
+		return nil, fmt.Errorf("reseeding restored vm: %w", err)
+	}
 	return sb, nil
 }
 

@@ -1,0 +1,7 @@
+//go:build !linux
+
+package agent
+
+import "syscall"
+
+func setCgroupFD(attr *syscall.SysProcAttr, fd int) {}

@@ -1,0 +1,34 @@
+package cli
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+
+	"kiln/internal/image"
+)
+
+func runImage(args []string, stdout, stderr io.Writer) error {
+	if len(args) == 0 || args[0] != "build" {
+		return errors.New("usage: kiln image build [--force] [--agent PATH]")
+	}
+	fs := flag.NewFlagSet("kiln image build", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	force := fs.Bool("force", false, "rebuild even when an image with the same inputs is cached")
+	agent := fs.String("agent", "", "static kiln-agent to install as the guest's init (default: next to kiln)")
+	verbose := fs.Bool("v", false, "debug logging")
+	if err := fs.Parse(args[1:]); err != nil {
+		return err
+	}
+	c := common{verbose: *verbose}
+	log := c.logger(stderr)
+	ctx, cancel := signalContext()
+	defer cancel()
+	im, err := image.Build(ctx, image.Options{Agent: *agent, Force: *force, Logger: log})
+	if err != nil {
+		return fmt.Errorf("building the guest image: %w", err)
+	}
+	fmt.Fprintf(stdout, "image %s\n  kernel %s (%s)\n  rootfs %s\n  python %s with %v\n", im.Dir, im.KernelPath(), im.KernelVersion, im.RootfsPath(), im.Python, im.Libraries)
+	return nil
+}
