@@ -4,7 +4,7 @@ export CGO_ENABLED := 0
 GO      ?= go
 BIN     := bin
 APT_RUNTIME := python3 python3-numpy python3-pandas python3-matplotlib
-APT_TEST    := iproute2 nftables curl
+APT_TEST    := iproute2 nftables curl qemu-system-x86 debootstrap e2fsprogs
 
 .PHONY: all build run serve demo test test-go test-e2e deps deps-runtime deps-test runsc clean
 
@@ -46,7 +46,7 @@ demo: deps-runtime build
 test: deps-test build test-go test-e2e
 
 test-go:
-	$(GO) test -count=1 -timeout 20m ./...
+	$(GO) test -count=1 -timeout 30m ./...
 
 test-e2e: build
 	cd e2e && KILN_BIN=$(CURDIR)/$(BIN)/kiln node --test --test-concurrency=1
