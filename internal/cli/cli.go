@@ -208,14 +208,7 @@ func newBackend(ctx context.Context, name, agent, runsc string, zygote bool, acc
 		if err != nil {
 			return nil, fmt.Errorf("%w (build one with: kiln image build)", err)
 		}
-		b, err := microvm.New(microvm.Options{Image: im, Accel: accel, Logger: log})
-		if err != nil {
-			return nil, err
-		}
-		for _, n := range b.Notes() {
-			log.Warn(n)
-		}
-		return b, nil
+		return microvm.New(microvm.Options{Image: im, Accel: accel, Logger: log}) // it logs the TCG warning
 	case "gvisor":
 		if !net.policy.Empty() {
 			return nil, errors.New("--allow-net is not supported on the gvisor backend yet")
