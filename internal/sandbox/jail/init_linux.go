@@ -58,17 +58,7 @@ func MaybeInit() {
 }
 
 func runInit() error {
-	unix.Close(4) // the executable we were started through
-	f := os.NewFile(3, "config")
-	var cfg initConfig
-	if err := json.NewDecoder(f).Decode(&cfg); err != nil {
-		return fmt.Errorf("reading config: %w", err)
-	}
-	f.Close()
-	steps := []struct {
-		name string
-		fn   func(*initConfig) error
-	}{
+	cfg, err := prepare([]initStep{
 		{"building root", buildRoot},
 		{"entering root", enterRoot},
 		{"setting up network", setupNetwork},
@@ -76,12 +66,38 @@ func runInit() error {
 		{"dropping privileges", dropPrivileges},
 		{"restricting filesystem", restrictFS},
 		{"loading seccomp filter", loadSeccomp},
+	})
+	if err != nil {
+		return err
 	}
+	return execAgent(cfg)
+}
+
+// initStep is one named step of setting up a box (or a template).
+type initStep struct {
+	name string
+	fn   func(*initConfig) error
+}
+
+// prepare closes the executable we were started through (fd 4), reads the
+// config from fd 3 and runs the steps in order.
+func prepare(steps []initStep) (*initConfig, error) {
+	unix.Close(4)
+	f := os.NewFile(3, "config")
+	var cfg initConfig
+	if err := json.NewDecoder(f).Decode(&cfg); err != nil {
+		return nil, fmt.Errorf("reading config: %w", err)
+	}
+	f.Close()
 	for _, s := range steps {
 		if err := s.fn(&cfg); err != nil {
-			return fmt.Errorf("%s: %w", s.name, err)
+			return nil, fmt.Errorf("%s: %w", s.name, err)
 		}
 	}
+	return &cfg, nil
+}
+
+func execAgent(cfg *initConfig) error {
 	argv := append([]string{"kiln-agent"}, cfg.AgentArgs...)
 	return fmt.Errorf("executing agent: %w", unix.Exec("/.kiln/agent", argv, cfg.Env))
 }

@@ -1,9 +1,7 @@
 package jail
 
 import (
-	"encoding/json"
 	"fmt"
-	"os"
 	"path/filepath"
 
 	"golang.org/x/sys/unix"
@@ -19,25 +17,13 @@ const ZygoteInitArg = "__kiln_jail_zygote"
 // runZygoteInit is the template's init. fd 3 carries the config, fd 4 the
 // executable, fd 5 the control socket, which the template gets on fd 3.
 func runZygoteInit() error {
-	unix.Close(4)
-	f := os.NewFile(3, "config")
-	var cfg initConfig
-	if err := json.NewDecoder(f).Decode(&cfg); err != nil {
-		return fmt.Errorf("reading config: %w", err)
-	}
-	f.Close()
-	steps := []struct {
-		name string
-		fn   func(*initConfig) error
-	}{
+	cfg, err := prepare([]initStep{
 		{"building root", buildRoot},
 		{"unmasking /proc", unmaskProc},
 		{"entering root", enterRoot},
-	}
-	for _, s := range steps {
-		if err := s.fn(&cfg); err != nil {
-			return fmt.Errorf("%s: %w", s.name, err)
-		}
+	})
+	if err != nil {
+		return err
 	}
 	if err := unix.Setrlimit(unix.RLIMIT_CORE, &unix.Rlimit{}); err != nil {
 		return fmt.Errorf("setting limits: %w", err)
@@ -46,8 +32,7 @@ func runZygoteInit() error {
 		return fmt.Errorf("placing control socket: %w", err)
 	}
 	unix.Close(5)
-	argv := append([]string{"kiln-agent"}, cfg.AgentArgs...)
-	return fmt.Errorf("executing agent: %w", unix.Exec("/.kiln/agent", argv, cfg.Env))
+	return execAgent(cfg)
 }
 
 // unmaskProc takes the masks off the template's /proc: a box's fresh
