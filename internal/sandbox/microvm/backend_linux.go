@@ -67,19 +67,6 @@ func New(opts Options) (*Backend, error) {
 	default:
 		return nil, ErrBadAccel
 	}
-	if opts.StateDir == "" {
-		d, err := os.UserCacheDir()
-		if err != nil {
-			return nil, fmt.Errorf("finding cache dir: %w", err)
-		}
-		opts.StateDir = filepath.Join(d, "kiln", "microvm")
-	}
-	if opts.RunDir == "" {
-		opts.RunDir = filepath.Join(os.TempDir(), fmt.Sprintf("kiln-microvm-%d", os.Getpid()))
-	}
-	if opts.Cgroup == "" {
-		opts.Cgroup = "kiln-microvm"
-	}
 	if os.Geteuid() != 0 {
 		opts.NoCgroup, opts.NoNamespaces = true, true
 	}
@@ -89,12 +76,10 @@ func New(opts Options) (*Backend, error) {
 			opts.BootTimeout = 5 * time.Minute
 		}
 	}
-	removeOrphans(opts.Cgroup)
-	for _, d := range []string{opts.StateDir, opts.RunDir} {
-		if err := os.MkdirAll(d, 0o700); err != nil {
-			return nil, fmt.Errorf("creating %s: %w", d, err)
-		}
+	if err := vmmDirs("microvm", &opts.StateDir, &opts.RunDir, &opts.Cgroup); err != nil {
+		return nil, err
 	}
+	removeOrphans(opts.Cgroup)
 	b := &Backend{
 		opts:      opts,
 		log:       opts.Logger.With("backend", "microvm", "accel", opts.Accel),
@@ -819,4 +804,29 @@ func removeOrphans(cgroupName string) {
 			os.Remove(filepath.Dir(procs)) // fails harmlessly if in use
 		}
 	}
+}
+
+// vmmDirs fills a VMM's defaults, named after it: templates under the
+// user's cache dir, per-VM files under a per-process temp dir, a cgroup
+// name; and creates the directories.
+func vmmDirs(vmm string, stateDir, runDir, cgroup *string) error {
+	if *stateDir == "" {
+		d, err := os.UserCacheDir()
+		if err != nil {
+			return fmt.Errorf("finding cache dir: %w", err)
+		}
+		*stateDir = filepath.Join(d, "kiln", vmm)
+	}
+	if *runDir == "" {
+		*runDir = filepath.Join(os.TempDir(), fmt.Sprintf("kiln-%s-%d", vmm, os.Getpid()))
+	}
+	if *cgroup == "" {
+		*cgroup = "kiln-" + vmm
+	}
+	for _, d := range []string{*stateDir, *runDir} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			return fmt.Errorf("creating %s: %w", d, err)
+		}
+	}
+	return nil
 }

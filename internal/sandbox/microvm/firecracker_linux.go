@@ -62,29 +62,14 @@ func NewFirecracker(opts FirecrackerOptions) (*Firecracker, error) {
 		return nil, fmt.Errorf("finding firecracker: %w", err)
 	}
 	opts.Firecracker = fc
-	if opts.StateDir == "" {
-		d, err := os.UserCacheDir()
-		if err != nil {
-			return nil, fmt.Errorf("finding cache dir: %w", err)
-		}
-		opts.StateDir = filepath.Join(d, "kiln", "firecracker")
-	}
-	if opts.RunDir == "" {
-		opts.RunDir = filepath.Join(os.TempDir(), fmt.Sprintf("kiln-firecracker-%d", os.Getpid()))
-	}
-	if opts.Cgroup == "" {
-		opts.Cgroup = "kiln-firecracker"
-	}
 	if os.Geteuid() != 0 {
 		opts.NoCgroup = true
 	}
 	if opts.BootTimeout == 0 {
 		opts.BootTimeout = time.Minute
 	}
-	for _, d := range []string{opts.StateDir, opts.RunDir} {
-		if err := os.MkdirAll(d, 0o700); err != nil {
-			return nil, err
-		}
+	if err := vmmDirs("firecracker", &opts.StateDir, &opts.RunDir, &opts.Cgroup); err != nil {
+		return nil, err
 	}
 	return &Firecracker{
 		opts:      opts,
