@@ -141,7 +141,10 @@ type Target struct {
 
 // Report is the outcome of a run.
 type Report struct {
-	Backend     string    `json:"backend"`
+	Backend string `json:"backend"`
+	// Accel is the microVM accelerator in use ("kvm" or "tcg"); empty for
+	// other backends. Every kiln figure of a microVM run names it.
+	Accel       string    `json:"accel,omitempty"`
 	ServerArgs  []string  `json:"server_args,omitempty"`
 	ServerEnv   []string  `json:"server_env,omitempty"`
 	Pool        int       `json:"pool"`
@@ -185,6 +188,7 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 		Pool: opts.Pool, PoolWorkers: opts.PoolWorkers,
 		CPUs: runtime.NumCPU(), Go: runtime.Version(), Started: time.Now(),
 		LoadAverage: []string{loadAverage()},
+		Accel:       accelOf(opts.Backend, opts.ServerArgs),
 	}}
 	if g, err := newCPUGroup(); err != nil {
 		r.log.Debug("not counting CPU time", "err", err)
@@ -750,6 +754,9 @@ func (rep *Report) WriteTable(w io.Writer) {
 			ratio = fmt.Sprintf("%.2f", m.Ratio)
 		}
 		note := m.Note
+		if rep.Accel != "" && !strings.HasPrefix(m.Key, "spawn") {
+			note = "accel " + rep.Accel + "; " + note
+		}
 		if m.Err != "" {
 			note += "; error: " + m.Err
 		}
@@ -790,4 +797,22 @@ func (l *logWriter) Write(p []byte) (int, error) {
 		l.buf = l.buf[i+1:]
 	}
 	return len(p), nil
+}
+
+// accelOf is the accelerator a microVM server runs with: its --accel flag,
+// else kiln's default, kvm.
+func accelOf(backend string, args []string) string {
+	if backend != "microvm" {
+		return ""
+	}
+	accel := "kvm"
+	for i, a := range args {
+		switch {
+		case (a == "--accel" || a == "-accel") && i+1 < len(args):
+			accel = args[i+1]
+		case strings.HasPrefix(a, "--accel="), strings.HasPrefix(a, "-accel="):
+			accel = a[strings.Index(a, "=")+1:]
+		}
+	}
+	return accel
 }
