@@ -11,12 +11,13 @@ import (
 
 func runImage(args []string, stdout, stderr io.Writer) error {
 	if len(args) == 0 || args[0] != "build" {
-		return errors.New("usage: kiln image build [--force] [--agent PATH]")
+		return errors.New("usage: kiln image build [--force] [--agent PATH] [--firecracker-kernel]")
 	}
 	fs := flag.NewFlagSet("kiln image build", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	force := fs.Bool("force", false, "rebuild even when an image with the same inputs is cached")
 	agent := fs.String("agent", "", "static kiln-agent to install as the guest's init (default: next to kiln)")
+	fcKernel := fs.Bool("firecracker-kernel", false, "also build a vmlinux for Firecracker from Debian's linux-source (slow: many minutes)")
 	verbose := fs.Bool("v", false, "debug logging")
 	if err := fs.Parse(args[1:]); err != nil {
 		return err
@@ -30,5 +31,12 @@ func runImage(args []string, stdout, stderr io.Writer) error {
 		return fmt.Errorf("building the guest image: %w", err)
 	}
 	fmt.Fprintf(stdout, "image %s\n  kernel %s (%s)\n  rootfs %s\n  python %s with %v\n", im.Dir, im.KernelPath(), im.KernelVersion, im.RootfsPath(), im.Python, im.Libraries)
+	if *fcKernel {
+		vmlinux, err := image.BuildFirecrackerKernel(ctx, image.KernelOptions{Force: *force, Logger: log})
+		if err != nil {
+			return fmt.Errorf("building the firecracker kernel: %w", err)
+		}
+		fmt.Fprintf(stdout, "  firecracker kernel %s\n", vmlinux)
+	}
 	return nil
 }
