@@ -2,8 +2,6 @@ package image
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -137,20 +135,15 @@ func srcVersion(p string) string {
 // key names the built kernel: the recipe, the source tarball's contents
 // (the Debian package's version changes them) and the config list.
 func (o KernelOptions) key() (string, error) {
-	f, err := os.Open(o.Source)
+	sum, err := hashFile(o.Source)
 	if err != nil {
-		return "", fmt.Errorf("reading kernel source: %w", err)
-	}
-	defer f.Close()
-	h := sha256.New()
-	if _, err := io.Copy(h, f); err != nil {
 		return "", fmt.Errorf("reading kernel source: %w", err)
 	}
 	return hashJSON(struct {
 		Recipe int
 		Source string
 		Config []KernelOption
-	}{kernelRecipe, hex.EncodeToString(h.Sum(nil)), o.Config}), nil
+	}{kernelRecipe, sum, o.Config}), nil
 }
 
 // buildKernel unpacks the source next to dir, configures and compiles it,

@@ -265,16 +265,11 @@ func (o Options) imageKey() (string, error) {
 	if o.Agent == "" {
 		return "", ErrNoAgent
 	}
-	f, err := os.Open(o.Agent)
+	sum, err := hashFile(o.Agent)
 	if err != nil {
 		return "", fmt.Errorf("reading agent: %w", err)
 	}
-	defer f.Close()
-	h := sha256.New()
-	if _, err := io.Copy(h, f); err != nil {
-		return "", fmt.Errorf("reading agent: %w", err)
-	}
-	return hashJSON([]string{o.baseKey(), hex.EncodeToString(h.Sum(nil))}), nil
+	return hashJSON([]string{o.baseKey(), sum}), nil
 }
 
 func hashJSON(v any) string {
@@ -347,4 +342,19 @@ func parseSourcesList(s string) (suite, mirror string) {
 		}
 	}
 	return "", ""
+}
+
+// hashFile returns the hex sha256 of a file's content (an input of a
+// cache key).
+func hashFile(path string) (string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err != nil {
+		return "", err
+	}
+	return hex.EncodeToString(h.Sum(nil)), nil
 }
