@@ -1,11 +1,12 @@
 // HTTP specifics: bearer-token auth, principals owning their sessions, the
 // stateless 2026-07-28 revision (no initialize, no Mcp-Session-Id), and the
-// refusal to listen beyond loopback without a token.
+// refusal to listen beyond loopback without a token or with a token file
+// that others can read.
 
 import { describe, it, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
-import { mkdtempSync, writeFileSync, rmSync } from 'node:fs';
+import { chmodSync, mkdtempSync, writeFileSync, rmSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 
@@ -183,5 +184,26 @@ describe('http auth and sessions', { skip }, () => {
     assert.ok(result, 'kiln serve listened on 0.0.0.0 without a token');
     assert.notEqual(result.code, 0);
     assert.match(Buffer.concat(out).toString(), /token/i);
+  });
+
+  it('refuses a token file that others can read, and says how to fix it', async () => {
+    const dir = mkdtempSync(path.join(os.tmpdir(), 'kiln-e2e-'));
+    const tokenFile = path.join(dir, 'tokens');
+    writeFileSync(tokenFile, `alice:${ALICE}\n`, { mode: 0o600 });
+    chmodSync(tokenFile, 0o644);
+    const env = { ...process.env, KILN_E2E_CANARY: CANARY };
+    delete env.KILN_TOKEN;
+    const proc = spawn(KILN, ['serve', '--addr', `127.0.0.1:${await freePort()}`, ...BASE_FLAGS, '--preload', '', '--token-file', tokenFile], { env, stdio: ['ignore', 'pipe', 'pipe'] });
+    const out = [];
+    proc.stderr.on('data', (d) => out.push(d));
+    const result = await Promise.race([
+      new Promise((resolve) => proc.on('exit', (code) => resolve({ code }))),
+      new Promise((resolve) => setTimeout(() => resolve(null), 10_000)),
+    ]);
+    if (result === null) proc.kill('SIGKILL');
+    rmSync(dir, { recursive: true, force: true });
+    assert.ok(result, 'kiln serve started with a world-readable token file');
+    assert.notEqual(result.code, 0);
+    assert.match(Buffer.concat(out).toString(), /chmod 600/);
   });
 });

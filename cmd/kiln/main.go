@@ -12,10 +12,9 @@ import (
 	"os"
 
 	"kiln/internal/cli"
-	"kiln/internal/sandbox/jail"
 )
 
 func main() {
-	jail.MaybeInit() // a box's init, when re-executed as one; returns otherwise
+	cli.MaybeInit() // a backend's helper (a box's init, a jailed QEMU's init), when re-executed as one; returns otherwise
 	os.Exit(cli.Main(os.Args[1:], os.Stdout, os.Stderr))
 }

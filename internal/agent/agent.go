@@ -12,21 +12,27 @@ import (
 	"log/slog"
 	"os"
 	"os/exec"
+	"slices"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
 
 	"kiln/internal/agentproto"
+	"kiln/internal/sandbox/boxplan"
 )
 
 const (
-	defaultMaxOutput = 20000
+	defaultMaxOutput = agentproto.DefaultMaxOutput
 	sentinelWait     = 2 * time.Second
 	// ProtocolVersion is sent in Hello.
 	ProtocolVersion = 1
 )
 
 var timeAfter = time.After
+
+// liveInterval is how often a running call's output is sent, at most.
+var liveInterval = agentproto.LiveInterval
 
 // Config is how the agent was started.
 type Config struct {
@@ -70,7 +76,7 @@ func New(cfg Config) *Agent {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	if cfg.Workspace == "" {
-		cfg.Workspace = "/work"
+		cfg.Workspace = boxplan.Workspace
 	}
 	if cfg.Cgroup != "" {
 		if fd, err := syscall.Open(cfg.Cgroup, syscall.O_RDONLY|syscall.O_DIRECTORY|syscall.O_CLOEXEC, 0); err == nil {
@@ -86,6 +92,8 @@ func New(cfg Config) *Agent {
 // closes.
 func (a *Agent) Serve(r io.Reader, w io.Writer) error {
 	a.w = w
+	// As the code's user: the agent holds no capability over files.
+	a.asCode(func() error { makeHome(a.cfg); return nil })
 	hello := agentproto.Hello{Version: ProtocolVersion}
 	if a.cfg.Adopt != nil {
 		k, err := adoptKernel(a.cfg.Adopt)
@@ -151,9 +159,13 @@ func (a *Agent) handle(req *agentproto.Request) *agentproto.Response {
 	)
 	switch req.Op {
 	case agentproto.OpPython:
-		resp.Exec, err = a.runPython(req.Code, req.MaxOutput)
+		live, stop := a.streamLive(req)
+		resp.Exec, err = a.runPython(req.Code, req.MaxOutput, live)
+		stop()
 	case agentproto.OpShell:
-		resp.Exec, err = a.runShell(req.Code, req.MaxOutput)
+		live, stop := a.streamLive(req)
+		resp.Exec, err = a.runShell(req.Code, req.MaxOutput, live)
+		stop()
 	case agentproto.OpInterrupt:
 		a.interrupt()
 	case agentproto.OpWrite:
@@ -174,7 +186,7 @@ func (a *Agent) handle(req *agentproto.Request) *agentproto.Response {
 	return resp
 }
 
-func (a *Agent) runPython(code string, maxOutput int) (*agentproto.ExecResult, error) {
+func (a *Agent) runPython(code string, maxOutput int, live *liveTail) (*agentproto.ExecResult, error) {
 	a.kmu.Lock()
 	defer a.kmu.Unlock()
 	if a.cfg.Python == "" {
@@ -188,13 +200,43 @@ func (a *Agent) runPython(code string, maxOutput int) (*agentproto.ExecResult, e
 		}
 		a.setKernel(k)
 	}
-	res, err := k.run(code, maxOutput)
+	res, err := k.run(code, maxOutput, live)
 	if errors.Is(err, errKernelDied) {
 		k.kill()
 		a.setKernel(nil) // the next cell starts a new one
 		return res, nil
 	}
 	return res, err
+}
+
+// streamLive sends the newest output of req while it runs, if the host
+// asked for it: an Output frame at most every LiveInterval, and only when
+// there is new output. stop ends it before the answer is sent, so no
+// Output frame follows the answer.
+func (a *Agent) streamLive(req *agentproto.Request) (live *liveTail, stop func()) {
+	if !req.Live {
+		return nil, func() {}
+	}
+	live = &liveTail{}
+	quit, finished := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(finished)
+		t := time.NewTicker(liveInterval)
+		defer t.Stop()
+		for {
+			select {
+			case <-quit:
+				return
+			case <-t.C:
+				if out, ok := live.take(); ok {
+					if err := a.send(&agentproto.Response{ID: req.ID, Output: &out}); err != nil {
+						a.log.Warn("sending output", "err", err)
+					}
+				}
+			}
+		}
+	}()
+	return live, func() { close(quit); <-finished }
 }
 
 func (a *Agent) currentKernel() *pyKernel {
@@ -237,24 +279,16 @@ func (a *Agent) shutdown() {
 // agent's own (the backend gave it a clean one) with the basics filled in.
 func childEnv(cfg *Config) []string {
 	env := os.Environ()
-	defaults := map[string]string{
-		"PATH":                    "/usr/local/bin:/usr/bin:/bin",
-		"HOME":                    cfg.Workspace,
-		"LANG":                    "C.UTF-8",
-		"MPLBACKEND":              "Agg",
-		"MPLCONFIGDIR":            "/tmp/.matplotlib",
-		"TERM":                    "dumb",
-		"PYTHONDONTWRITEBYTECODE": "1",
+	if h := os.Getenv("HOME"); h != homeOf(cfg) {
+		env = slices.DeleteFunc(env, func(kv string) bool { return kv == "HOME="+h }) // "/" (a kernel's init) or the workspace
 	}
-	for _, kv := range env {
-		for k := range defaults {
-			if len(kv) > len(k) && kv[:len(k)+1] == k+"=" {
-				delete(defaults, k)
-			}
+	// The box plan's environment, wherever the backend left it out (a
+	// microVM's init starts the agent with none).
+	for _, kv := range boxplan.Env {
+		k, _, _ := strings.Cut(kv, "=")
+		if !slices.ContainsFunc(env, func(e string) bool { return strings.HasPrefix(e, k+"=") }) {
+			env = append(env, kv)
 		}
-	}
-	for k, v := range defaults {
-		env = append(env, k+"="+v)
 	}
 	return env
 }

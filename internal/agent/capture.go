@@ -2,6 +2,7 @@ package agent
 
 import (
 	"bytes"
+	"strings"
 	"sync"
 
 	"kiln/internal/agentproto"
@@ -14,6 +15,7 @@ type capBuf struct {
 	head  []byte
 	tail  []byte // ring of the last max/2 bytes once head is full
 	total int64
+	tee   *liveTail // also gets every byte, when the host asked for it
 }
 
 func newCapBuf(max int) *capBuf {
@@ -26,6 +28,7 @@ func newCapBuf(max int) *capBuf {
 func (b *capBuf) Write(p []byte) (int, error) {
 	n := len(p)
 	b.total += int64(n)
+	b.tee.Write(p)
 	headMax := b.max - b.max/2
 	if room := headMax - len(b.head); room > 0 {
 		k := min(room, len(p))
@@ -43,12 +46,14 @@ func (b *capBuf) Write(p []byte) (int, error) {
 }
 
 // Stream returns the kept text. When bytes were dropped, the caller (the
-// host) adds the "truncated" note; Stream.Total says how many.
+// host) adds the "truncated" note; Stream.Total says how many. Head and
+// tail are made valid UTF-8 apart, so Cut still points between them once
+// the frame is encoded (JSON would otherwise replace invalid bytes and
+// move it).
 func (b *capBuf) Stream() agentproto.Stream {
-	text := make([]byte, 0, len(b.head)+len(b.tail))
-	text = append(text, b.head...)
-	text = append(text, b.tail...)
-	return agentproto.Stream{Text: string(text), Total: b.total, Cut: len(b.head)}
+	head := strings.ToValidUTF8(string(b.head), "\uFFFD")
+	tail := strings.ToValidUTF8(string(b.tail), "\uFFFD")
+	return agentproto.Stream{Text: head + tail, Total: b.total, Cut: len(head)}
 }
 
 // demux reads one of the kernel's output pipes and splits it into cells at
@@ -60,17 +65,20 @@ type demux struct {
 	sentinel []byte
 	carry    []byte
 	done     chan *capBuf // receives the finished cell's buffer
+	next     *liveTail    // tee of the buffer that starts at sentinel
 }
 
 func newDemux() *demux {
 	return &demux{cur: newCapBuf(defaultMaxOutput), done: make(chan *capBuf, 1)}
 }
 
-// arm starts a cell: output up to sentinel belongs to it.
-func (d *demux) arm(sentinel []byte, max int) {
+// arm starts a cell: output up to sentinel belongs to it. Output after
+// sentinel also goes to live, if not nil.
+func (d *demux) arm(sentinel []byte, max int, live *liveTail) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.sentinel = sentinel
+	d.next = live
 	d.max = max
 	if d.cur.max != max {
 		old := d.cur
@@ -93,6 +101,7 @@ func (d *demux) feed(p []byte) {
 		d.cur.Write(data[:i])
 		finished := d.cur
 		d.cur = newCapBuf(d.max)
+		d.cur.tee, d.next = d.next, nil
 		d.cur.Write(data[i+len(d.sentinel):])
 		d.sentinel = nil
 		select {
@@ -113,7 +122,48 @@ func (d *demux) flush() *capBuf {
 	d.cur.Write(d.carry)
 	d.carry = nil
 	d.sentinel = nil
+	d.next = nil
 	finished := d.cur
 	d.cur = newCapBuf(d.max)
 	return finished
+}
+
+// liveTail keeps the newest output of a running call, stdout and stderr as
+// they interleave, for the Output frames the host asked for
+// (Request.Live). It holds at most agentproto.MaxLiveTail bytes.
+type liveTail struct {
+	mu    sync.Mutex
+	buf   []byte
+	total int64
+	sent  int64
+}
+
+// Write keeps the newest bytes of p. A nil liveTail ignores them.
+func (l *liveTail) Write(p []byte) {
+	if l == nil {
+		return
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.total += int64(len(p))
+	if len(p) > agentproto.MaxLiveTail {
+		p = p[len(p)-agentproto.MaxLiveTail:]
+	}
+	l.buf = append(l.buf, p...)
+	if over := len(l.buf) - agentproto.MaxLiveTail; over > 0 {
+		l.buf = append(l.buf[:0], l.buf[over:]...)
+	}
+}
+
+// take returns the tail if anything came since the last take. Invalid
+// UTF-8 (a rune cut at either end) is dropped, so the tail stays within
+// MaxLiveTail once encoded and decoded.
+func (l *liveTail) take() (agentproto.Output, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.total == l.sent {
+		return agentproto.Output{}, false
+	}
+	l.sent = l.total
+	return agentproto.Output{Tail: strings.ToValidUTF8(string(l.buf), ""), Total: l.total}, true
 }

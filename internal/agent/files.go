@@ -66,9 +66,9 @@ const maxLinks = 8
 // rest goes to os.Root unchanged, which creates it or reports the error.
 //
 // A symlink planted between this walk and os.Root's is still followed
-// under gVisor. There the agent runs as the same unprivileged user as the
-// code in the box, so the race gains that code nothing it cannot read or
-// write itself; on a Linux kernel os.Root's own walk refuses it.
+// under gVisor. Every file operation runs with the file rights of the
+// code's user (asCode), so the race gains that code nothing it cannot read
+// or write itself; on a Linux kernel os.Root's own walk refuses it.
 func resolveLinks(root *os.Root, parts []string) ([]string, error) {
 	var done []string // real directories (and, last, any non-symlink)
 	links := 0
@@ -129,8 +129,28 @@ func pathErr(p string, err error) error {
 	return fmt.Errorf("%s: %v", p, err)
 }
 
+// asCode runs a file operation with the file rights of the code's user,
+// when the agent runs as root of its box (the jail, a microVM guest) and
+// code runs as someone else: the files it writes belong to that user, and
+// the agent reads or writes nothing through a name planted in the
+// workspace that the code could not reach itself. Otherwise the agent runs
+// as the code's user already.
+//
+// Where a thread cannot change its file ids (gVisor), the agent acts as
+// itself and gives what it creates to the code's user (chown); os.Root
+// still confines every walk to the workspace.
+func (a *Agent) asCode(f func() error) error {
+	if os.Getuid() != 0 || a.cfg.UID <= 0 {
+		return f()
+	}
+	if err := asUser(a.cfg.UID, a.cfg.GID, f); !errors.Is(err, errNoFileIDs) {
+		return err
+	}
+	return f()
+}
+
 // chown gives a file the agent made to the code's user, when the agent runs
-// as root (a microVM guest) and code runs as someone else.
+// as root and code as someone else (and asCode could not act as it).
 func (a *Agent) chown(root *os.Root, rel string) {
 	if os.Getuid() == 0 && a.cfg.UID > 0 {
 		root.Lchown(rel, a.cfg.UID, a.cfg.GID)
@@ -138,6 +158,26 @@ func (a *Agent) chown(root *os.Root, rel string) {
 }
 
 func (a *Agent) writeFile(p string, data []byte) error {
+	return a.asCode(func() error { return a.writeFileAsCode(p, data) })
+}
+
+func (a *Agent) readFile(p string, max int64) (data []byte, size int64, err error) {
+	err = a.asCode(func() error {
+		data, size, err = a.readFileAsCode(p, max)
+		return err
+	})
+	return data, size, err
+}
+
+func (a *Agent) listFiles(p string) (files []agentproto.FileInfo, err error) {
+	err = a.asCode(func() error {
+		files, err = a.listFilesAsCode(p)
+		return err
+	})
+	return files, err
+}
+
+func (a *Agent) writeFileAsCode(p string, data []byte) error {
 	if len(data) > maxWriteBytes {
 		return fmt.Errorf("file is larger than %d bytes", maxWriteBytes)
 	}
@@ -188,7 +228,7 @@ func writeRegular(root *os.Root, rel string, data []byte) error {
 	return f.Close()
 }
 
-func (a *Agent) readFile(p string, max int64) ([]byte, int64, error) {
+func (a *Agent) readFileAsCode(p string, max int64) ([]byte, int64, error) {
 	root, rel, err := a.open(p)
 	if err != nil {
 		return nil, 0, err
@@ -220,8 +260,8 @@ func (a *Agent) readFile(p string, max int64) ([]byte, int64, error) {
 	return data, st.Size(), nil
 }
 
-// listFiles lists the tree under p, up to maxListEntries entries.
-func (a *Agent) listFiles(p string) ([]agentproto.FileInfo, error) {
+// listFilesAsCode lists the tree under p, up to maxListEntries entries.
+func (a *Agent) listFilesAsCode(p string) ([]agentproto.FileInfo, error) {
 	root, rel, err := a.open(p)
 	if err != nil {
 		return nil, err
@@ -273,5 +313,24 @@ func fileInfo(p string, info fs.FileInfo) agentproto.FileInfo {
 		Dir:     info.IsDir(),
 		Symlink: info.Mode()&fs.ModeSymlink != 0,
 		ModNano: info.ModTime().UnixNano(),
+		Special: special(info.Mode()),
 	}
+}
+
+// special names the kind of a file that is neither regular, a directory
+// nor a symlink; "" for those.
+func special(m fs.FileMode) string {
+	switch {
+	case m.IsRegular(), m.IsDir(), m&fs.ModeSymlink != 0:
+		return ""
+	case m&fs.ModeNamedPipe != 0:
+		return "fifo"
+	case m&fs.ModeSocket != 0:
+		return "socket"
+	case m&fs.ModeCharDevice != 0:
+		return "char-device"
+	case m&fs.ModeDevice != 0:
+		return "device"
+	}
+	return "other"
 }

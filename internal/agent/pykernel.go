@@ -13,6 +13,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 
 	"kiln/internal/agentproto"
 	"kiln/internal/kernel"
@@ -35,8 +36,12 @@ type pyKernel struct {
 	resFile       *os.File
 	out           *demux
 	errs          *demux
-	exited        chan struct{}
-	hello         driverHello
+	// outW and errW are the agent's own write ends of the kernel's stdout
+	// and stderr pipes: the agent marks where a cell's output starts and
+	// ends with markers only it knows (see run).
+	outW, errW *os.File
+	exited     chan struct{}
+	hello      driverHello
 
 	mu      sync.Mutex
 	running bool
@@ -49,6 +54,7 @@ type driverHello struct {
 }
 
 type driverResult struct {
+	Cell        string                  `json:"cell"`
 	Result      agentproto.MimeBundle   `json:"result"`
 	Displays    []agentproto.MimeBundle `json:"displays"`
 	Error       *agentproto.ExecError   `json:"error"`
@@ -81,20 +87,20 @@ func startKernel(cfg *Config) (*pyKernel, error) {
 	cmd.ExtraFiles = []*os.File{reqR, resW}
 	cmd.SysProcAttr = childAttr(cfg)
 	err = cmd.Start()
-	for _, f := range []*os.File{reqR, resW, outW, errW} {
+	for _, f := range []*os.File{reqR, resW} {
 		f.Close()
 	}
 	if err != nil {
-		reqW.Close()
-		resR.Close()
-		outR.Close()
-		errR.Close()
+		for _, f := range []*os.File{reqW, resR, outR, outW, errR, errW} {
+			f.Close()
+		}
 		return nil, fmt.Errorf("starting python: %w", err)
 	}
 	k := &pyKernel{
 		proc: cmd.Process, state: func() *os.ProcessState { return cmd.ProcessState },
 		req: reqW, resFile: resR, res: bufio.NewReaderSize(resR, 1<<16),
 		out: newDemux(), errs: newDemux(), exited: make(chan struct{}),
+		outW: outW, errW: errW,
 	}
 	go k.pump(outR, k.out)
 	go k.pump(errR, k.errs)
@@ -153,7 +159,17 @@ func (k *pyKernel) readLine() ([]byte, error) {
 
 // run executes one cell. It returns an error only when the kernel died; the
 // caller then starts a new one.
-func (k *pyKernel) run(code string, maxOutput int) (*agentproto.ExecResult, error) {
+//
+// Everything of the kernel process is the cell's to read and write: its
+// memory, its pipes, fd 4 on which the driver answers. So the agent frames a
+// cell itself, with what the cell cannot know. It writes a start marker into
+// the kernel's stdout and stderr pipes before the request and drops what
+// precedes it (output written between calls); it sends the request with a
+// fresh cell id and takes only the answer that carries it; then it writes an
+// end marker into both pipes. The driver wrote the cell's output before its
+// answer, so the pipes hold all of it ahead of the end marker. The markers
+// never leave the agent, whose memory code cannot read.
+func (k *pyKernel) run(code string, maxOutput int, live *liveTail) (*agentproto.ExecResult, error) {
 	k.mu.Lock()
 	k.running = true
 	k.mu.Unlock()
@@ -163,13 +179,15 @@ func (k *pyKernel) run(code string, maxOutput int) (*agentproto.ExecResult, erro
 		k.mu.Unlock()
 	}()
 
-	var nonce [16]byte
-	rand.Read(nonce[:])
-	sentinel := []byte("\x1ekiln-end-" + hex.EncodeToString(nonce[:]) + "\x1e")
-	k.out.arm(sentinel, maxOutput)
-	k.errs.arm(sentinel, maxOutput)
-
-	req, _ := json.Marshal(map[string]string{"code": code, "sentinel": string(sentinel)})
+	if maxOutput <= 0 {
+		maxOutput = defaultMaxOutput // as newCapBuf does: arming the end marker must not start a new buffer
+	}
+	streams := []stream{{k.out, k.outW}, {k.errs, k.errW}}
+	for _, s := range streams {
+		s.start(maxOutput, live)
+	}
+	cell := hex.EncodeToString(randomBytes(16))
+	req, _ := json.Marshal(map[string]string{"code": code, "cell": cell})
 	if _, err := k.req.Write(append(req, '\n')); err != nil {
 		return k.died()
 	}
@@ -179,35 +197,98 @@ func (k *pyKernel) run(code string, maxOutput int) (*agentproto.ExecResult, erro
 		if err != nil {
 			return k.died()
 		}
-		if json.Unmarshal(line, &res) == nil {
+		res = driverResult{}
+		if json.Unmarshal(line, &res) == nil && res.Cell == cell {
 			break
 		}
-		// Not the driver's answer: a cell wrote to fd 4. Keep waiting.
+		// Not this cell's answer: a cell wrote to fd 4, or a stale answer
+		// of a cell that forged its own end. Keep waiting.
 	}
-	stdout, stderr := k.collect()
-	return &agentproto.ExecResult{
-		Stdout:    stdout,
-		Stderr:    stderr,
+	for _, s := range streams {
+		// The start marker is long since through, as a rule: what came
+		// before it went with it, what came after is the cell's. If it
+		// never came, nothing tells them apart: drop it all.
+		if k.waitMarker(s.d) == nil {
+			s.d.flush()
+		}
+		s.d.arm(newMarker(), maxOutput, nil)
+	}
+	// The end markers, written now, follow all the cell wrote before its
+	// answer.
+	for _, s := range streams {
+		s.mark()
+	}
+	out := &agentproto.ExecResult{
+		Stdout:    k.take(k.out),
+		Stderr:    k.take(k.errs),
 		Result:    res.Result,
 		Displays:  res.Displays,
 		Error:     res.Error,
 		Interrupt: res.Interrupted,
-	}, nil
+	}
+	out.Bound() // the driver keeps to the bounds; a cell writing to fd 4 need not
+	return out, nil
 }
 
-// collect waits for both sentinels. The driver wrote them before its answer,
-// so they are already in the pipes unless a cell closed fds 1 or 2.
-func (k *pyKernel) collect() (stdout, stderr agentproto.Stream) {
-	get := func(d *demux) agentproto.Stream {
-		select {
-		case b := <-d.done:
-			return b.Stream()
-		case <-k.exited:
-		case <-timeAfter(sentinelWait):
-		}
-		return d.flush().Stream()
+// stream is one of the kernel's output pipes: its reader and the agent's
+// write end.
+type stream struct {
+	d *demux
+	w *os.File
+}
+
+// start arms a start marker and writes it: what the pipe held before it
+// is dropped.
+func (s stream) start(maxOutput int, live *liveTail) {
+	select {
+	case <-s.d.done: // a stale cell's buffer
+	default:
 	}
-	return get(k.out), get(k.errs)
+	s.d.arm(newMarker(), maxOutput, live)
+	s.mark()
+}
+
+// mark writes the armed marker into the pipe.
+func (s stream) mark() {
+	s.d.mu.Lock()
+	m := s.d.sentinel
+	s.d.mu.Unlock()
+	if m == nil || s.w == nil {
+		return
+	}
+	s.w.SetWriteDeadline(time.Now().Add(sentinelWait))
+	s.w.Write(m) // under PIPE_BUF: never interleaved with another write
+}
+
+// waitMarker waits for d's armed marker to come through.
+func (k *pyKernel) waitMarker(d *demux) *capBuf {
+	select {
+	case b := <-d.done:
+		return b
+	case <-k.exited:
+	case <-timeAfter(sentinelWait):
+	}
+	return nil
+}
+
+// take returns the cell's output: all up to the end marker, or, when that
+// does not come, what there is.
+func (k *pyKernel) take(d *demux) agentproto.Stream {
+	if b := k.waitMarker(d); b != nil {
+		return b.Stream()
+	}
+	return d.flush().Stream()
+}
+
+// newMarker is a marker no one but the agent knows.
+func newMarker() []byte {
+	return []byte("\x1ekiln-" + hex.EncodeToString(randomBytes(16)) + "\x1e")
+}
+
+func randomBytes(n int) []byte {
+	b := make([]byte, n)
+	rand.Read(b)
+	return b
 }
 
 // died reports a kernel that exited mid-cell (killed by the OOM killer,
@@ -275,6 +356,12 @@ func (k *pyKernel) kill() {
 	}
 	k.req.Close()
 	k.resFile.Close()
+	if k.outW != nil {
+		k.outW.Close()
+	}
+	if k.errW != nil {
+		k.errW.Close()
+	}
 }
 
 func lastLines(s string, n int) string {

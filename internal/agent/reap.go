@@ -9,18 +9,16 @@ import (
 
 // Environment variables between the PID 1 reaper and the agent it starts.
 const (
-	ChildEnv  = "KILN_AGENT_CHILD"  // set in the child: do not reap, serve
-	StreamEnv = "KILN_AGENT_STREAM" // a device to speak the protocol on instead of stdin/stdout
+	reapChildEnv  = "KILN_AGENT_CHILD"  // set in the child: do not reap, serve
+	reapStreamEnv = "KILN_AGENT_STREAM" // a device to speak the protocol on instead of stdin/stdout
 )
 
-// Reap runs the agent as a child of PID 1 and reaps every process of the
+// reap runs the agent as a child of PID 1 and reaps every process of the
 // box until that child exits, whose exit status it returns. Orphans
-// re-parent to PID 1, so without this they would stay zombies.
-func Reap(streamPath string) int { return ReapWith(streamPath, nil) }
-
-// ReapWith is Reap with extra descriptors for the agent child, at fds 3
-// and up (an adopted kernel's pipes); PID 1 closes its copies.
-func ReapWith(streamPath string, extra []*os.File) int {
+// re-parent to PID 1, so without this they would stay zombies. extra are
+// descriptors for the agent child, at fds 3 and up (an adopted kernel's
+// pipes); PID 1 closes its copies.
+func reap(streamPath string, extra []*os.File) int {
 	sigs := make(chan os.Signal, 8)
 	signal.Notify(sigs, syscall.SIGCHLD, syscall.SIGTERM, syscall.SIGINT)
 	self, err := os.Executable()
@@ -28,9 +26,9 @@ func ReapWith(streamPath string, extra []*os.File) int {
 		self = "/proc/self/exe"
 	}
 	cmd := exec.Command(self, os.Args[1:]...)
-	cmd.Env = append(os.Environ(), ChildEnv+"=1")
+	cmd.Env = append(os.Environ(), reapChildEnv+"=1")
 	if streamPath != "" {
-		cmd.Env = append(cmd.Env, StreamEnv+"="+streamPath)
+		cmd.Env = append(cmd.Env, reapStreamEnv+"="+streamPath)
 	}
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
 	cmd.ExtraFiles = extra

@@ -36,6 +36,9 @@ func ExecZygote(cfg Config) error {
 type Adopted struct {
 	Pid                int
 	Req, Res, Out, Err *os.File
+	// OutW and ErrW are write ends of the kernel's stdout and stderr
+	// pipes, for the agent's own markers (see pyKernel.run).
+	OutW, ErrW *os.File
 	// Status carries the kernel's wait status from the box's PID 1, which
 	// reaps it; nil when there is none (then the exit is watched by pid).
 	Status *os.File
@@ -43,13 +46,22 @@ type Adopted struct {
 
 // AdoptedFiles are the descriptors, in order, at which an adopted
 // kernel's pipes reach the agent: 3 (requests), 4 (results), 5 (stdout),
-// 6 (stderr) and 7 (its wait status, from PID 1).
+// 6 (stderr), 7 (its wait status, from PID 1), 8 and 9 (write ends of
+// its stdout and stderr). They arrive inheritable; AdoptedFiles makes them
+// close-on-exec, so no shell command or kernel the agent starts gets one.
 func AdoptedFiles() []*os.File {
-	return []*os.File{
-		os.NewFile(3, "kernel-req"), os.NewFile(4, "kernel-res"),
-		os.NewFile(5, "kernel-out"), os.NewFile(6, "kernel-err"),
-		os.NewFile(7, "kernel-status"),
+	names := []string{"kernel-req", "kernel-res", "kernel-out", "kernel-err", "kernel-status", "kernel-out-w", "kernel-err-w"}
+	files := make([]*os.File, len(names))
+	for i, name := range names {
+		syscall.CloseOnExec(3 + i)
+		files[i] = os.NewFile(uintptr(3+i), name)
 	}
+	return files
+}
+
+// NewAdopted names the files of AdoptedFiles.
+func NewAdopted(pid int, f []*os.File) *Adopted {
+	return &Adopted{Pid: pid, Req: f[0], Res: f[1], Out: f[2], Err: f[3], Status: f[4], OutW: f[5], ErrW: f[6]}
 }
 
 // readStatus waits for PID 1's report of how the adopted kernel ended.
@@ -76,6 +88,7 @@ func adoptKernel(a *Adopted) (*pyKernel, error) {
 		proc: proc,
 		req:  a.Req, resFile: a.Res, res: bufio.NewReaderSize(a.Res, 1<<16),
 		out: newDemux(), errs: newDemux(), exited: make(chan struct{}),
+		outW: a.OutW, errW: a.ErrW,
 	}
 	go k.pump(a.Out, k.out)
 	go k.pump(a.Err, k.errs)

@@ -7,6 +7,7 @@
 package agentproto
 
 import (
+	"bytes"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -48,6 +49,9 @@ type Request struct {
 	MaxOutput int    `json:"max_output,omitempty"` // cap per stream, in bytes
 	MaxBytes  int64  `json:"max_bytes,omitempty"`  // OpRead cap
 	Since     int64  `json:"since,omitempty"`      // OpChanges: unix nanoseconds
+	// Live asks the agent to send Output frames while an OpPython or
+	// OpShell request runs.
+	Live bool `json:"live,omitempty"`
 }
 
 // Response is an agent → host frame answering the Request with the same ID.
@@ -58,6 +62,18 @@ type Response struct {
 	Data  []byte      `json:"data,omitempty"`
 	Size  int64       `json:"size,omitempty"` // OpRead: the file's full size
 	Files []FileInfo  `json:"files,omitempty"`
+	// Output, when set, makes this frame a progress report of the running
+	// request ID rather than its answer: the request stays pending.
+	Output *Output `json:"output,omitempty"`
+}
+
+// Output is the newest output of a running exec request that asked for it
+// (Request.Live): the tail of its stdout and stderr as they interleaved,
+// at most MaxLiveTail bytes. The agent sends one at most every
+// LiveInterval, and only when there is something new.
+type Output struct {
+	Tail  string `json:"tail"`
+	Total int64  `json:"total"` // bytes the call has written so far
 }
 
 // ExecResult is what one cell or command produced.
@@ -70,6 +86,8 @@ type ExecResult struct {
 	ExitCode  int          `json:"exit_code"`
 	Signal    string       `json:"signal,omitempty"`
 	Interrupt bool         `json:"interrupted,omitempty"`
+	// Notes say what the agent or the host cut, for the model.
+	Notes []string `json:"notes,omitempty"`
 }
 
 // Stream is captured output, capped by keeping its head and tail.
@@ -100,36 +118,54 @@ type FileInfo struct {
 	Dir     bool   `json:"dir,omitempty"`
 	Symlink bool   `json:"symlink,omitempty"`
 	ModNano int64  `json:"mtime_ns,omitempty"`
+	// Special is set for what is neither a regular file, a directory nor
+	// a symlink: "fifo", "socket", "device", "char-device" or "other".
+	Special string `json:"special,omitempty"`
 }
 
 // ErrFrameTooLarge is returned for a frame longer than MaxFrame.
 var ErrFrameTooLarge = errors.New("agentproto: frame too large")
 
 // WriteFrame writes v as one frame.
+// HTML is not escaped: "<" costs one byte on the wire, not six, so rich
+// output is charged (MaxRich) at about its size.
 func WriteFrame(w io.Writer, v any) error {
-	b, err := json.Marshal(v)
-	if err != nil {
+	var buf bytes.Buffer
+	buf.Write([]byte{0, 0, 0, 0})
+	enc := json.NewEncoder(&buf)
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(v); err != nil {
 		return fmt.Errorf("encoding frame: %w", err)
 	}
-	if len(b) > MaxFrame {
+	b := bytes.TrimSuffix(buf.Bytes(), []byte("\n"))
+	n := len(b) - 4
+	if n > MaxFrame {
 		return ErrFrameTooLarge
 	}
-	buf := make([]byte, 4+len(b))
-	binary.BigEndian.PutUint32(buf, uint32(len(b)))
-	copy(buf[4:], b)
-	_, err = w.Write(buf)
+	binary.BigEndian.PutUint32(b, uint32(n))
+	_, err := w.Write(b)
 	return err
 }
 
 // ReadFrame reads one frame into v.
-func ReadFrame(r io.Reader, v any) error {
+func ReadFrame(r io.Reader, v any) error { return ReadFrameMax(r, v, nil) }
+
+// ReadFrameMax reads one frame into v, refusing one longer than max
+// returns once its header is in (MaxFrame if max is nil): the host reads
+// an answer within what the requests in flight can take (MaxAnswer), not
+// within what the protocol allows.
+func ReadFrameMax(r io.Reader, v any, max func() int) error {
 	var hdr [4]byte
 	if _, err := io.ReadFull(r, hdr[:]); err != nil {
 		return err
 	}
 	n := binary.BigEndian.Uint32(hdr[:])
-	if n > MaxFrame {
-		return ErrFrameTooLarge
+	limit := MaxFrame
+	if max != nil {
+		limit = min(limit, max())
+	}
+	if int64(n) > int64(limit) {
+		return fmt.Errorf("%w: %d bytes announced, at most %d expected", ErrFrameTooLarge, n, limit)
 	}
 	// Trust the header only once the peer has sent a first MiB: a peer
 	// that announces MaxFrame and sends nothing costs nothing, and an
@@ -154,8 +190,11 @@ func ReadFrame(r io.Reader, v any) error {
 		}
 		b = full
 	}
+	if err := checkShape(b); err != nil {
+		return err
+	}
 	if err := json.Unmarshal(b, v); err != nil {
-		return fmt.Errorf("decoding frame: %w", err)
+		return &Fault{fmt.Sprintf("decoding frame: %v", err)}
 	}
 	return nil
 }

@@ -13,8 +13,8 @@ import (
 	"time"
 )
 
-// finderFor returns how to find a backend's boxes: the jail names each
-// box's cgroup "<server pid>.<box id>"; other backends fall back to the
+// finderFor returns how to find a backend's boxes: the jail puts each
+// box's cgroup in its server's, "<server pid>/<box id>"; other backends fall back to the
 // server's process tree, one box per child subtree.
 func finderFor(backend string) boxFinder {
 	if backend == "jail" {
@@ -33,15 +33,15 @@ func finderFor(backend string) boxFinder {
 var cgroupDirs = []string{"/sys/fs/cgroup/kiln", "/sys/fs/cgroup/memory/kiln"}
 
 func cgroupBoxes(serverPid int) (map[string][]int, error) {
-	prefix := strconv.Itoa(serverPid) + "."
 	for _, dir := range cgroupDirs {
+		dir = filepath.Join(dir, strconv.Itoa(serverPid))
 		entries, err := os.ReadDir(dir)
 		if err != nil {
 			continue
 		}
 		boxes := map[string][]int{}
 		for _, e := range entries {
-			if !e.IsDir() || !strings.HasPrefix(e.Name(), prefix) {
+			if !e.IsDir() {
 				continue
 			}
 			b, err := os.ReadFile(filepath.Join(dir, e.Name(), "cgroup.procs"))

@@ -33,7 +33,6 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 		opts    bench.Options
 		clients string
 		skip    string
-		zygote  string
 		jsonOut = fs.String("json", "", "also write the report as JSON to this file")
 		verbose = fs.Bool("v", false, "show the servers' logs on stderr")
 	)
@@ -48,11 +47,23 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	fs.DurationVar(&opts.Settle, "settle", time.Second, "pause before each first call on a new session and each series")
 	fs.DurationVar(&opts.Gap, "gap", 100*time.Millisecond, "pause between the per-call runs of the warm-pool series")
 	fs.StringVar(&skip, "skip", "", "comma-separated measurements to leave out: spawn, session, first, percall, pandas, throughput, pss")
-	fs.StringVar(&zygote, "zygote", "", "jail: 1 to fork boxes from a zygote, 0 not to (default: the server's own default)")
+	var backendArgs []func() ([]string, error)
+	for _, e := range registry {
+		if e.benchFlags != nil {
+			backendArgs = append(backendArgs, e.benchFlags(fs))
+		}
+	}
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	opts.ServerArgs = fs.Args()
+	for _, args := range backendArgs {
+		a, err := args()
+		if err != nil {
+			return err
+		}
+		opts.ServerArgs = append(opts.ServerArgs, a...)
+	}
+	opts.ServerArgs = append(opts.ServerArgs, fs.Args()...)
 	for _, s := range splitList(clients) {
 		n, err := strconv.Atoi(s)
 		if err != nil || n <= 0 {
@@ -65,9 +76,6 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 			s = "percall-pandas"
 		}
 		opts.Skip = append(opts.Skip, s)
-	}
-	if zygote != "" {
-		opts.ServerEnv = append(opts.ServerEnv, "KILN_JAIL_ZYGOTE="+zygote)
 	}
 	if opts.Pool == 0 {
 		opts.Pool = -1 // bench.Options: negative means no pool

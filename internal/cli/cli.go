@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net/http"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -19,13 +18,10 @@ import (
 
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
+	"kiln/internal/agentproto"
 	"kiln/internal/egress"
-	"kiln/internal/image"
 	"kiln/internal/mcpserver"
 	"kiln/internal/sandbox"
-	"kiln/internal/sandbox/gvisor"
-	"kiln/internal/sandbox/jail"
-	"kiln/internal/sandbox/microvm"
 	"kiln/internal/session"
 )
 
@@ -103,35 +99,33 @@ type common struct {
 	poolSize    int
 	poolWorkers int
 	idleTTL     time.Duration
+	bounds      bounds
 	preload     string
-	runsc       string
 	allowNet    string
 	egressHosts string
-	zygote      bool
-	accel       string
 	verbose     bool
+	backends    backends // every registered backend, with its own flags
 }
 
 func (c *common) register(fs *flag.FlagSet) {
-	fs.StringVar(&c.backend, "backend", "jail", "isolation backend: jail, gvisor or microvm")
-	fs.StringVar(&c.accel, "accel", "kvm", "microvm: kvm, or tcg (software emulation: for development only, not a security boundary)")
+	fs.StringVar(&c.backend, "backend", "jail", "isolation backend: "+backendNames())
 	fs.StringVar(&c.mode, "mode", "session", "session (state persists per session) or per-call (a fresh sandbox for every call)")
 	fs.StringVar(&c.agent, "agent", "", "path of kiln-agent (default: next to kiln, then $PATH)")
-	fs.DurationVar(&c.timeout, "timeout", 30*time.Second, "default time limit of a call")
-	fs.DurationVar(&c.maxTimeout, "max-timeout", 5*time.Minute, "largest time limit a call may ask for")
-	fs.Int64Var(&c.memoryMiB, "memory", 1024, "memory limit per sandbox, MiB")
-	fs.Int64Var(&c.diskMiB, "disk", 512, "workspace size per sandbox, MiB")
-	fs.IntVar(&c.pids, "pids", 256, "process limit per sandbox")
-	fs.Float64Var(&c.cpus, "cpus", 1, "CPU limit per sandbox, cores")
-	fs.IntVar(&c.maxOutput, "max-output", 20000, "bytes of stdout and of stderr kept per call (head and tail)")
+	fs.DurationVar(&c.timeout, "timeout", session.DefaultTimeout, "default time limit of a call")
+	fs.DurationVar(&c.maxTimeout, "max-timeout", session.DefaultMaxTimeout, "largest time limit a call may ask for")
+	fs.Int64Var(&c.memoryMiB, "memory", sandbox.DefaultLimits.MemoryBytes>>20, "memory limit per sandbox, MiB")
+	fs.Int64Var(&c.diskMiB, "disk", sandbox.DefaultLimits.WorkspaceBytes>>20, "workspace size per sandbox, MiB")
+	fs.IntVar(&c.pids, "pids", sandbox.DefaultLimits.Pids, "process limit per sandbox")
+	fs.Float64Var(&c.cpus, "cpus", sandbox.DefaultLimits.CPUs, "CPU limit per sandbox, cores")
+	fs.IntVar(&c.maxOutput, "max-output", agentproto.DefaultMaxOutput, "bytes of stdout and of stderr kept per call (head and tail)")
 	fs.IntVar(&c.poolSize, "pool", 1, "sandboxes kept ready ahead of demand")
 	fs.IntVar(&c.poolWorkers, "pool-workers", 1, "sandboxes prepared at once when refilling the pool")
-	fs.DurationVar(&c.idleTTL, "idle-ttl", 30*time.Minute, "destroy a session's sandbox after this long unused")
+	fs.DurationVar(&c.idleTTL, "idle-ttl", session.DefaultIdleTTL, "destroy a session's sandbox after this long unused")
+	c.bounds.register(fs)
 	fs.StringVar(&c.preload, "preload", "numpy,pandas,matplotlib", "Python modules imported before the first call (skipped when missing)")
-	fs.StringVar(&c.runsc, "runsc", "", "gvisor backend: a static runsc binary (default: the pinned build in kiln's cache)")
 	fs.StringVar(&c.allowNet, "allow-net", "", "hosts sandboxes may reach over HTTP(S), comma-separated: host, *.domain, host:port (default: none, loopback only)")
 	fs.StringVar(&c.egressHosts, "egress-hosts", "", "hosts file (/etc/hosts format) the egress gateway resolves names with before DNS")
-	fs.BoolVar(&c.zygote, "zygote", true, "jail: fork boxes from a template python with the preloaded modules imported (falls back to starting python per box where it cannot run)")
+	c.backends = registerBackends(fs)
 	fs.BoolVar(&c.verbose, "v", false, "debug logging on stderr")
 }
 
@@ -162,15 +156,6 @@ func splitList(s string) []string {
 	return out
 }
 
-// closer is implemented by backends that hold resources of their own.
-type closer interface{ Close() error }
-
-// preparer is implemented by backends that can make their template ahead
-// of the first call (a microVM boot takes seconds).
-type preparer interface {
-	Prepare(ctx context.Context, spec sandbox.Spec) error
-}
-
 // network is the egress configuration of a server.
 type network struct {
 	policy  egress.Policy
@@ -192,46 +177,6 @@ func (c *common) network(log *slog.Logger) (*network, error) {
 	return n, nil
 }
 
-// newBackend builds the named backend.
-func newBackend(ctx context.Context, name, agent, runsc string, zygote bool, accel string, net *network, log *slog.Logger) (sandbox.Backend, error) {
-	if net == nil {
-		net = &network{}
-	}
-	switch name {
-	case "jail":
-		return jail.New(jail.Options{Agent: agent, Logger: log, Egress: net.gateway, Policy: net.policy, Zygote: zygote})
-	case "microvm":
-		if !net.policy.Empty() {
-			return nil, errors.New("--allow-net is not supported on the microvm backend yet")
-		}
-		im, err := image.Latest("")
-		if err != nil {
-			return nil, fmt.Errorf("%w (build one with: kiln image build)", err)
-		}
-		return microvm.New(microvm.Options{Image: im, Accel: accel, Logger: log}) // it logs the TCG warning
-	case "gvisor":
-		if !net.policy.Empty() {
-			return nil, errors.New("--allow-net is not supported on the gvisor backend yet")
-		}
-		if agent == "" {
-			p, err := jail.FindAgent()
-			if err != nil {
-				return nil, fmt.Errorf("finding kiln-agent: %w", err)
-			}
-			agent = p
-		}
-		if runsc == "" {
-			p, err := gvisor.EnsureRunsc(ctx, log)
-			if err != nil {
-				return nil, err
-			}
-			runsc = p
-		}
-		return gvisor.New(gvisor.Options{Agent: agent, Runsc: runsc, Logger: log})
-	}
-	return nil, fmt.Errorf("unknown backend %q (jail, gvisor or microvm)", name)
-}
-
 // stack is a running backend, session manager and MCP server.
 type stack struct {
 	net     *network
@@ -249,14 +194,15 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 	if err != nil {
 		return nil, err
 	}
-	b, err := newBackend(ctx, c.backend, c.agent, c.runsc, c.zygote, c.accel, net, log)
+	maxBoxes, all := c.bounds.resolve(c.limits())
+	b, err := c.backends.newBackend(ctx, c.backend, backendEnv{agent: c.agent, net: net, allBoxes: all, log: log})
 	if err != nil {
 		if net.gateway != nil {
 			net.gateway.Close()
 		}
 		return nil, fmt.Errorf("starting %s backend: %w", c.backend, err)
 	}
-	mgr := session.NewManager(session.Options{
+	mgr := session.NewManager(c.bounds.apply(maxBoxes, session.Options{
 		Backend:        b,
 		Mode:           mode,
 		Limits:         c.limits(),
@@ -268,11 +214,11 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		PoolSize:       c.poolSize,
 		PoolWorkers:    c.poolWorkers,
 		Logger:         log,
-	})
-	if p, ok := b.(preparer); ok {
+	}))
+	if w, ok := b.(sandbox.Warmer); ok {
 		spec := sandbox.Spec{Limits: mgr.Options().Limits, Preload: splitList(c.preload)}
 		go func() {
-			if err := p.Prepare(ctx, spec); err != nil {
+			if err := w.Warm(ctx, spec); err != nil {
 				log.Warn("preparing the template ahead of demand", "err", err)
 			}
 		}()
@@ -292,9 +238,7 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 
 func (s *stack) close() {
 	s.mgr.Close()
-	if c, ok := s.backend.(closer); ok {
-		c.Close()
-	}
+	s.backend.Close()
 	if s.net.gateway != nil {
 		s.net.gateway.Close()
 	}
@@ -335,7 +279,8 @@ func runServe(args []string, stderr io.Writer) error {
 	var c common
 	c.register(fs)
 	addr := fs.String("addr", "127.0.0.1:8080", "address to listen on")
-	tokenFile := fs.String("token-file", "", "file of bearer tokens, one per line (\"principal:token\" or \"token\"); KILN_TOKEN adds one")
+	tokenFile := fs.String("token-file", "", "file of bearer tokens, one per line (\"principal:token\" or \"token\"), readable by its owner only; KILN_TOKEN adds one")
+	httpFlags := registerHTTPLimits(fs)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -354,9 +299,13 @@ func runServe(args []string, stderr io.Writer) error {
 		return err
 	}
 	defer st.close()
-	hs := &http.Server{Addr: *addr, Handler: st.srv.Handler(mcpserver.HTTPOptions{Tokens: toks}), ReadHeaderTimeout: 10 * time.Second}
+	lim := httpFlags.limits()
+	hs, ln, err := listenHTTP(st.srv, *addr, mcpserver.HTTPOptions{Tokens: toks, Limits: &lim})
+	if err != nil {
+		return err
+	}
 	errc := make(chan error, 1)
-	go func() { errc <- hs.ListenAndServe() }()
+	go func() { errc <- hs.Serve(ln) }()
 	log.Info("kiln serving MCP over HTTP", "url", "http://"+*addr+"/mcp", "backend", c.backend, "mode", c.mode, "auth", len(toks) > 0)
 	select {
 	case err := <-errc:
@@ -452,28 +401,33 @@ func callInMemory(ctx context.Context, srv *mcpserver.Server, tool string, args 
 	return cs.CallTool(ctx, &mcp.CallToolParams{Name: tool, Arguments: args})
 }
 
+// printResult shows a result to a person: control characters from the box
+// are made visible (see visible), on a terminal or not.
 func printResult(w io.Writer, res *mcp.CallToolResult, imageDir string) {
 	n := 0
 	for _, c := range res.Content {
 		switch c := c.(type) {
 		case *mcp.TextContent:
-			fmt.Fprintln(w, c.Text)
+			fmt.Fprintln(w, visible(c.Text))
 		case *mcp.ImageContent:
 			n++
 			if imageDir == "" {
-				fmt.Fprintf(w, "[image %d: %s, %d bytes; save with --images DIR]\n", n, c.MIMEType, len(c.Data))
+				fmt.Fprintf(w, "[image %d: %s, %d bytes; save with --images DIR]\n", n, visible(c.MIMEType), len(c.Data))
 				continue
 			}
 			ext := strings.TrimPrefix(c.MIMEType, "image/")
+			if strings.Trim(ext, "abcdefghijklmnopqrstuvwxyz0123456789+") != "" || ext == "" {
+				ext = "bin" // never a path
+			}
 			p := filepath.Join(imageDir, fmt.Sprintf("kiln-image-%d.%s", n, ext))
 			if err := os.WriteFile(p, c.Data, 0o644); err != nil {
-				fmt.Fprintf(w, "[image %d: %v]\n", n, err)
+				fmt.Fprintf(w, "[image %d: %s]\n", n, visible(err.Error()))
 			} else {
 				fmt.Fprintf(w, "[image %d saved to %s]\n", n, p)
 			}
 		case *mcp.EmbeddedResource:
 			if c.Resource != nil {
-				fmt.Fprintf(w, "[resource %s, %d bytes]\n", c.Resource.URI, len(c.Resource.Blob))
+				fmt.Fprintf(w, "[resource %s, %d bytes]\n", visible(c.Resource.URI), len(c.Resource.Blob))
 			}
 		}
 	}

@@ -46,7 +46,7 @@ func (c *core) serveDNS(w dns.ResponseWriter, req *dns.Msg) {
 	ok, blocked, err := c.resolveChecked(ctx, name)
 	if err != nil {
 		m.Rcode = dns.RcodeServerFailure
-		c.log.Warn("egress error", "session", a.session, "via", "dns", "name", name, "verdict", "error", "err", err)
+		c.warnLimited(a, time.Now(), "egress error", "session", a.session, "via", "dns", "name", name, "verdict", "error", "err", err)
 		return
 	}
 	var v4 []netip.Addr

@@ -25,6 +25,32 @@
 // itself from the host namespace. What the box resolved or dialed is never
 // used, so /etc/hosts inside the box and DNS rebinding change nothing.
 //
+// The name checked is the name the destination sees. Plain HTTP, whether
+// transparent, inside a CONNECT tunnel or through HTTP_PROXY, is served
+// by one HTTP server in the gateway that checks every request on a
+// connection by its own Host (a tunnel's must be the CONNECT's name) and
+// sends it with that Host, so a second request cannot front for another
+// name on the first one's connection. TLS in a CONNECT tunnel must name
+// the CONNECT's host in its SNI (or none). Inside TLS the gateway sees
+// nothing: a client that sends SNI a.example and then Host: b.example
+// reaches only a.example's address, and what that server does with the
+// Host is its own affair. A tunnel carries only TLS or HTTP, as the
+// transparent ports do.
+//
+// # Limits
+//
+// One box must not starve the server or other boxes. Each connection a
+// box opens to the gateway takes a slot: Options.MaxConnsPerBox per box
+// and Options.MaxConns in all, where a box under its fair share is still
+// admitted at the global cap and the box holding the most loses its least
+// recently used connection. A refused connection gets an answer (HTTP
+// 503, or a TLS alert) and is closed. Connections close after
+// Options.ConnIdleTimeout without a byte either way and after
+// Options.ConnMaxLifetime in all; a refused request closes its
+// connection. Names longer than 253 bytes are refused before they are
+// logged; each box logs at most logBurst refusals per logWindow, and one
+// line counts the rest.
+//
 // # Why one gateway namespace and /32s
 //
 // Nothing is added to the host's namespace: no addresses, routes or

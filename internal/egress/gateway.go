@@ -1,6 +1,7 @@
 package egress
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -14,6 +15,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"kiln/internal/sandbox/boxkit"
 )
 
 // Sentinel errors of the package.
@@ -74,6 +77,25 @@ type Options struct {
 	// MaxRefusals is how many refusals an Attachment keeps between calls
 	// to Refusals. Default 64.
 	MaxRefusals int
+
+	// MaxConnsPerBox caps the connections one box holds open to the
+	// gateway's proxy and transparent listeners. Beyond it the box's new
+	// connections are answered with a refusal and closed. Default 128.
+	MaxConnsPerBox int
+	// MaxConns caps the box connections of all boxes together, so no box
+	// can exhaust the server's file descriptors. At the cap, a box that
+	// holds less than its fair share (MaxConns divided by the attached
+	// boxes) is still admitted, and the least recently active connection
+	// of the box holding the most is closed to make room; a box at or
+	// above its share is refused. So a box beyond its limits only ever
+	// loses its own connections. Default 4096.
+	MaxConns int
+	// ConnIdleTimeout closes a box connection on which no byte moved in
+	// either direction for this long. Default 5 minutes.
+	ConnIdleTimeout time.Duration
+	// ConnMaxLifetime closes a box connection this long after it was
+	// accepted, busy or not. Default 1 hour.
+	ConnMaxLifetime time.Duration
 }
 
 func (o Options) withDefaults() Options {
@@ -95,6 +117,18 @@ func (o Options) withDefaults() Options {
 	if o.MaxRefusals == 0 {
 		o.MaxRefusals = 64
 	}
+	if o.MaxConnsPerBox == 0 {
+		o.MaxConnsPerBox = 128
+	}
+	if o.MaxConns == 0 {
+		o.MaxConns = 4096
+	}
+	if o.ConnIdleTimeout == 0 {
+		o.ConnIdleTimeout = 5 * time.Minute
+	}
+	if o.ConnMaxLifetime == 0 {
+		o.ConnMaxLifetime = time.Hour
+	}
 	return o
 }
 
@@ -107,7 +141,7 @@ type BoxInfo struct {
 // Refusal is one attempt the gateway refused.
 type Refusal struct {
 	Time   time.Time
-	Via    string     // "dns", "http", "tls" (transparent), "connect", "proxy" (HTTP_PROXY)
+	Via    string     // "dns", "http", "tls", "tcp" (transparent), "connect", "proxy" (HTTP_PROXY), "limit" (a connection closed to make room)
 	Name   string     // the destination name the box asked for; empty if it named none
 	Port   uint16     // the destination port; 0 for DNS
 	Addr   netip.Addr // the refused resolved address, when that was the reason
@@ -117,6 +151,10 @@ type Refusal struct {
 // String tells the model plainly what happened.
 func (r Refusal) String() string {
 	switch {
+	case r.Via == "limit":
+		return "a connection through the egress gateway was closed: " + r.Reason
+	case r.Name == "" && r.Port == 0:
+		return "connection to the egress gateway refused: " + r.Reason
 	case r.Via == "dns":
 		return fmt.Sprintf("DNS lookup of %s refused by policy: %s", r.Name, r.Reason)
 	case r.Name == "":
@@ -144,9 +182,15 @@ type Attachment struct {
 
 	mu       sync.Mutex
 	refusals []Refusal
-	conns    map[io.Closer]struct{}
+	conns    map[io.Closer]struct{} // upstream connections
 	closed   bool
-	cleanup  []func() error
+	cleanup  boxkit.Cleanup
+
+	// slots are the box's connections to the gateway's listeners, guarded
+	// by core.lim.
+	slots       map[*boxConn]struct{}
+	slotsClosed bool
+	logs        logLimiter
 
 	closeOnce sync.Once
 	closeErr  error
@@ -213,7 +257,7 @@ func (a *Attachment) untrack(c io.Closer) {
 }
 
 // onClose pushes a teardown step; Close runs them last-in first-out.
-func (a *Attachment) onClose(f func() error) { a.cleanup = append(a.cleanup, f) }
+func (a *Attachment) onClose(f func() error) { a.cleanup.Add(f) }
 
 // Close cuts the box off: it closes its connections, removes its veth,
 // firewall rules and registration, and frees its address. It is safe to
@@ -231,20 +275,15 @@ func (a *Attachment) Close() error {
 		if a.transport != nil {
 			a.transport.CloseIdleConnections()
 		}
-		a.closeErr = runCleanup(a.cleanup)
+		if a.core != nil {
+			a.core.closeSlots(a)
+			if n := a.logs.flush(); n > 0 {
+				a.core.log.Warn("egress refusals not logged", "session", a.session, "count", n)
+			}
+		}
+		a.closeErr = a.cleanup.Run()
 	})
 	return a.closeErr
-}
-
-// runCleanup runs steps last first and joins their errors.
-func runCleanup(steps []func() error) error {
-	var errs []error
-	for i := len(steps) - 1; i >= 0; i-- {
-		if err := steps[i](); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	return errors.Join(errs...)
 }
 
 // core is the platform-independent part of the gateway: the registry of
@@ -257,6 +296,13 @@ type core struct {
 
 	mu    sync.RWMutex
 	boxes map[netip.Addr]*Attachment
+
+	// lim guards the connection slots of every attachment and total, the
+	// number held; taken before mu when both are.
+	lim      sync.Mutex
+	total    int
+	refusing chan struct{} // one token per connection being refused
+	http     *connQueue    // plain HTTP connections for the proxy's server
 }
 
 func newCore(opts Options) (*core, error) {
@@ -268,7 +314,7 @@ func newCore(opts Options) (*core, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &core{opts: opts, log: opts.Logger, res: res, chk: chk, boxes: map[netip.Addr]*Attachment{}}, nil
+	return &core{opts: opts, log: opts.Logger, res: res, chk: chk, boxes: map[netip.Addr]*Attachment{}, refusing: make(chan struct{}, maxRefusing)}, nil
 }
 
 // newAttachment builds the attachment of a box at addr, with its own HTTP
@@ -283,14 +329,20 @@ func (c *core) newAttachment(box BoxInfo, addr netip.Addr) *Attachment {
 			if err != nil {
 				return nil, err
 			}
-			return c.dial(ctx, a, "proxy", host, port)
+			via, _ := ctx.Value(viaKey{}).(string)
+			return c.dial(ctx, a, cmp.Or(via, "proxy"), host, port)
 		},
-		DisableCompression:  true,
-		MaxIdleConnsPerHost: 4,
-		IdleConnTimeout:     30 * time.Second,
+		DisableCompression:    true,
+		MaxIdleConns:          8,
+		MaxIdleConnsPerHost:   4,
+		IdleConnTimeout:       30 * time.Second,
+		ResponseHeaderTimeout: c.opts.ConnIdleTimeout,
 	}
 	a.proxy = &httputil.ReverseProxy{
-		Rewrite:   func(*httputil.ProxyRequest) {},
+		// The request goes out with the Host of its URL, the name the
+		// policy checked: the handlers set the URL, and never a Host of
+		// the box's choosing (domain fronting).
+		Rewrite:   func(pr *httputil.ProxyRequest) { pr.Out.Host = "" },
 		Transport: a.transport,
 		ErrorLog:  slog.NewLogLogger(c.log.Handler(), slog.LevelDebug),
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
@@ -344,9 +396,13 @@ func (c *core) boxAtString(remote string) *Attachment {
 	return c.boxes[ap.Addr().Unmap()]
 }
 
-// refuse logs and records a refusal and returns it as an error.
+// refuse logs and records a refusal and returns it as an error. What the
+// box chose (the name, and any of its bytes quoted in the reason) is
+// bounded first.
 func (c *core) refuse(a *Attachment, r Refusal) error {
 	r.Time = time.Now()
+	r.Name = clip(r.Name, maxNameLen)
+	r.Reason = clip(r.Reason, maxReasonLen)
 	attrs := []any{"session", a.session, "via", r.Via, "name", r.Name, "verdict", "refuse", "reason", r.Reason}
 	if r.Port != 0 {
 		attrs = append(attrs, "port", r.Port)
@@ -354,9 +410,22 @@ func (c *core) refuse(a *Attachment, r Refusal) error {
 	if r.Addr.IsValid() {
 		attrs = append(attrs, "addr", r.Addr.String())
 	}
-	c.log.Warn("egress refused", attrs...)
+	c.warnLimited(a, r.Time, "egress refused", attrs...)
 	a.addRefusal(r)
 	return &RefusedError{Refusal: r}
+}
+
+// warnLimited logs a warning about box a unless a has used up its burst of
+// log lines in this window; what it drops is summarized in one line when
+// the window ends or the box is detached.
+func (c *core) warnLimited(a *Attachment, now time.Time, msg string, attrs ...any) {
+	ok, dropped := a.logs.allow(now)
+	if dropped > 0 {
+		c.log.Warn("egress refusals not logged", "session", a.session, "count", dropped, "window", logWindow.String())
+	}
+	if ok {
+		c.log.Warn(msg, attrs...)
+	}
 }
 
 // dial checks name and port against the box's policy, resolves name on
@@ -366,6 +435,10 @@ func (c *core) refuse(a *Attachment, r Refusal) error {
 func (c *core) dial(ctx context.Context, a *Attachment, via, name string, port uint16) (net.Conn, error) {
 	name = normalizeName(name)
 	refusal := Refusal{Via: via, Name: name, Port: port}
+	if len(name) > maxNameLen {
+		refusal.Reason = fmt.Sprintf("the host name of %d bytes is longer than %d, the longest a DNS name can be", len(name), maxNameLen)
+		return nil, c.refuse(a, refusal)
+	}
 	if _, err := netip.ParseAddr(name); err == nil {
 		refusal.Reason = "connecting by IP address is not allowed; connect by an allowed host name"
 		return nil, c.refuse(a, refusal)
@@ -376,7 +449,7 @@ func (c *core) dial(ctx context.Context, a *Attachment, via, name string, port u
 	}
 	ok, blocked, err := c.resolveChecked(ctx, name)
 	if err != nil {
-		c.log.Warn("egress error", "session", a.session, "via", via, "name", name, "port", port, "verdict", "error", "err", err)
+		c.warnLimited(a, time.Now(), "egress error", "session", a.session, "via", via, "name", name, "port", port, "verdict", "error", "err", err)
 		return nil, err
 	}
 	if len(ok) == 0 {
@@ -400,7 +473,7 @@ func (c *core) dial(ctx context.Context, a *Attachment, via, name string, port u
 		return tc, nil
 	}
 	err = fmt.Errorf("dialing %s port %d: %w", name, port, errors.Join(errs...))
-	c.log.Warn("egress error", "session", a.session, "via", via, "name", name, "port", port, "verdict", "error", "err", err)
+	c.warnLimited(a, time.Now(), "egress error", "session", a.session, "via", via, "name", name, "port", port, "verdict", "error", "err", err)
 	return nil, err
 }
 

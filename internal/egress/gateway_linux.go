@@ -18,6 +18,8 @@ import (
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+
+	"kiln/internal/sandbox/boxkit"
 )
 
 // Table names of the firewall rules the gateway installs.
@@ -49,7 +51,7 @@ type Gateway struct {
 	next        int
 	transparent map[uint16]net.Listener
 	attached    map[*Attachment]struct{}
-	cleanup     []func() error
+	cleanup     boxkit.Cleanup
 }
 
 // NewGateway creates the gateway's network namespace, its firewall and its
@@ -81,58 +83,15 @@ func NewGateway(opts Options) (_ *Gateway, err error) {
 			g.Close()
 		}
 	}()
-
-	ns, err := newNetNS()
-	if err != nil {
+	if err := g.makeNamespace(); err != nil {
 		return nil, err
 	}
-	g.ns = ns
-	g.onClose(func() error { return ns.Close() })
-	nl, err := netlink.NewHandleAt(ns)
-	if err != nil {
-		return nil, fmt.Errorf("opening netlink in gateway namespace: %w", err)
-	}
-	g.nl = nl
-	g.onClose(func() error { nl.Close(); return nil })
-
-	lo, err := nl.LinkByName("lo")
-	if err != nil {
-		return nil, fmt.Errorf("finding gateway loopback: %w", err)
-	}
-	for _, a := range []netip.Addr{g.gwIP, g.transIP} {
-		if err := nl.AddrAdd(lo, &netlink.Addr{IPNet: hostNet(a)}); err != nil {
-			return nil, fmt.Errorf("adding gateway address %v: %w", a, err)
-		}
-	}
-	if err := nl.LinkSetUp(lo); err != nil {
-		return nil, fmt.Errorf("bringing up gateway loopback: %w", err)
-	}
-	err = inNetNS(ns, func() error {
-		for _, s := range [][2]string{
-			{"net/ipv4/ip_forward", "0"},
-			// Strict reverse-path filtering: a box cannot pass for another
-			// by forging its source address.
-			{"net/ipv4/conf/all/rp_filter", "1"},
-			{"net/ipv4/conf/default/rp_filter", "1"},
-			{"net/ipv6/conf/all/disable_ipv6", "1"},
-			{"net/ipv6/conf/default/disable_ipv6", "1"},
-		} {
-			if err := writeSysctl(s[0], s[1]); err != nil {
-				return err
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		return nil, fmt.Errorf("configuring gateway namespace: %w", err)
-	}
-	if err := installTable(ns, gatewayTable, gatewayChains(g.gwIP, g.transIP, opts.ProxyPort)); err != nil {
+	if err := installTable(g.ns, gatewayTable, gatewayChains(g.gwIP, g.transIP, opts.ProxyPort)); err != nil {
 		return nil, err
 	}
-
 	var udp net.PacketConn
 	var dnsTCP, proxyLn net.Listener
-	err = inNetNS(ns, func() error {
+	err = inNetNS(g.ns, func() error {
 		var err error
 		gw := g.gwIP.String()
 		if udp, err = net.ListenPacket("udp4", net.JoinHostPort(gw, "53")); err != nil {
@@ -152,10 +111,70 @@ func NewGateway(opts Options) (_ *Gateway, err error) {
 	if err != nil {
 		return nil, err
 	}
+	g.startDNS(udp, dnsTCP)
+	g.startProxy(proxyLn)
+	return g, nil
+}
+
+// makeNamespace creates the gateway's network namespace with its two
+// addresses on loopback, no forwarding, strict reverse-path filtering and
+// no IPv6.
+func (g *Gateway) makeNamespace() error {
+	ns, err := newNetNS()
+	if err != nil {
+		return err
+	}
+	g.ns = ns
+	g.onClose(func() error { return ns.Close() })
+	nl, err := netlink.NewHandleAt(ns)
+	if err != nil {
+		return fmt.Errorf("opening netlink in gateway namespace: %w", err)
+	}
+	g.nl = nl
+	g.onClose(func() error { nl.Close(); return nil })
+
+	lo, err := nl.LinkByName("lo")
+	if err != nil {
+		return fmt.Errorf("finding gateway loopback: %w", err)
+	}
+	for _, a := range []netip.Addr{g.gwIP, g.transIP} {
+		if err := nl.AddrAdd(lo, &netlink.Addr{IPNet: hostNet(a)}); err != nil {
+			return fmt.Errorf("adding gateway address %v: %w", a, err)
+		}
+	}
+	if err := nl.LinkSetUp(lo); err != nil {
+		return fmt.Errorf("bringing up gateway loopback: %w", err)
+	}
+	err = inNetNS(ns, func() error {
+		for _, s := range [][2]string{
+			{"net/ipv4/ip_forward", "0"},
+			// Strict reverse-path filtering: a box cannot pass for another
+			// by forging its source address.
+			{"net/ipv4/conf/all/rp_filter", "1"},
+			{"net/ipv4/conf/default/rp_filter", "1"},
+			{"net/ipv6/conf/all/disable_ipv6", "1"},
+			{"net/ipv6/conf/default/disable_ipv6", "1"},
+		} {
+			if err := writeSysctl(s[0], s[1]); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("configuring gateway namespace: %w", err)
+	}
+	return nil
+}
+
+// startDNS serves the DNS responder on udp and tcp, and returns once both
+// servers have started.
+func (g *Gateway) startDNS(udp net.PacketConn, tcp net.Listener) {
+	c := g.c
 	handler := dns.HandlerFunc(c.serveDNS)
 	for _, srv := range []*dns.Server{
 		{PacketConn: udp, Handler: handler},
-		{Listener: dnsTCP, Handler: handler, ReadTimeout: opts.SniffTimeout},
+		{Listener: limitListener{tcp, c, "dns"}, Handler: handler, ReadTimeout: g.opts.SniffTimeout},
 	} {
 		started := make(chan struct{})
 		srv.NotifyStartedFunc = func() { close(started) }
@@ -167,41 +186,41 @@ func NewGateway(opts Options) (_ *Gateway, err error) {
 		<-started
 		g.onClose(func() error { return srv.Shutdown() })
 	}
+}
+
+// startProxy serves the HTTP proxy on ln.
+//
+// One HTTP server serves the proxy port and the plain HTTP connections
+// handed over from the transparent listeners and CONNECT tunnels. Box
+// connections are admitted against the connection limits as they are
+// accepted (limitListener, acceptLoop), and carry the idle and lifetime
+// limits themselves (boxConn).
+func (g *Gateway) startProxy(ln net.Listener) {
+	c, opts := g.c, g.opts
+	c.http = newConnQueue(ln.Addr())
 	proxy := &http.Server{
 		Handler:           c.proxyHandler(),
 		ReadHeaderTimeout: opts.SniffTimeout,
+		IdleTimeout:       min(proxyIdleTimeout, opts.ConnIdleTimeout),
+		MaxHeaderBytes:    maxHTTPHeader,
+		ConnContext:       connContext,
 		ErrorLog:          slog.NewLogLogger(c.log.Handler(), slog.LevelDebug),
-		ConnState: func(conn net.Conn, st http.ConnState) {
-			switch st {
-			case http.StateNew:
-				if a := c.boxAt(conn.RemoteAddr()); a == nil || !a.track(conn) {
-					conn.Close()
-				}
-			case http.StateHijacked, http.StateClosed:
-				if a := c.boxAt(conn.RemoteAddr()); a != nil {
-					a.untrack(conn)
-				}
-			}
-		},
 	}
-	g.wg.Go(func() {
-		if err := proxy.Serve(proxyLn); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			c.log.Error("egress proxy stopped", "err", err)
-		}
-	})
+	for _, ln := range []net.Listener{limitListener{ln, c, "proxy"}, c.http} {
+		g.wg.Go(func() {
+			if err := proxy.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				c.log.Error("egress proxy stopped", "err", err)
+			}
+		})
+	}
 	g.onClose(func() error { return proxy.Close() })
-	return g, nil
 }
 
 func hostNet(a netip.Addr) *net.IPNet {
 	return &net.IPNet{IP: a.AsSlice(), Mask: net.CIDRMask(a.BitLen(), a.BitLen())}
 }
 
-func (g *Gateway) onClose(f func() error) {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	g.cleanup = append(g.cleanup, f)
-}
+func (g *Gateway) onClose(f func() error) { g.cleanup.Add(f) }
 
 // Close detaches every box, stops the listeners and removes the gateway's
 // namespace. It is safe to call twice.
@@ -216,11 +235,6 @@ func (g *Gateway) Close() error {
 	for a := range g.attached {
 		atts = append(atts, a)
 	}
-	steps := g.cleanup
-	g.cleanup = nil
-	for _, ln := range g.transparent {
-		steps = append(steps, ln.Close)
-	}
 	g.mu.Unlock()
 
 	var errs []error
@@ -228,7 +242,7 @@ func (g *Gateway) Close() error {
 		errs = append(errs, a.Close())
 	}
 	g.cancel()
-	errs = append(errs, runCleanup(steps))
+	errs = append(errs, g.cleanup.Run())
 	g.wg.Wait()
 	return errors.Join(errs...)
 }
@@ -437,6 +451,7 @@ func (g *Gateway) listenTransparent(ports []uint16) error {
 			return fmt.Errorf("listening on transparent port %d: %w", p, err)
 		}
 		g.transparent[p] = ln
+		g.onClose(ln.Close)
 		g.wg.Go(func() { g.acceptLoop(ln, p) })
 	}
 	return nil
@@ -457,6 +472,10 @@ func (g *Gateway) acceptLoop(ln net.Listener, port uint16) {
 			}
 			continue
 		}
-		go g.c.serveTransparent(g.ctx, conn, port)
+		go func() {
+			if b := g.c.admit(conn, "tcp", port); b != nil {
+				g.c.serveTransparent(g.ctx, b, port)
+			}
+		}()
 	}
 }

@@ -125,7 +125,9 @@ func namedNS(t *testing.T, name string) netns.NsHandle {
 	return ns
 }
 
-func newWorld(t *testing.T) *world {
+// newWorld builds the local internet and a gateway; tune adjusts the
+// gateway's options.
+func newWorld(t *testing.T, tune ...func(*Options)) *world {
 	t.Helper()
 	requireNetNS(t)
 	k := 20 + (os.Getpid()+int(worldSeq.Add(1)))%200
@@ -182,7 +184,7 @@ func newWorld(t *testing.T) *world {
 
 	hostsFile := filepath.Join(t.TempDir(), "hosts")
 	os.WriteFile(hostsFile, []byte(fmt.Sprintf("# the gateway's view\n%s web.test pypi.test other.test\n", w.webAddr)), 0o644)
-	gw, err := NewGateway(Options{
+	opts := Options{
 		Logger:    slog.New(slog.NewJSONHandler(io.MultiWriter(w.logs, tWriter{t}), nil)),
 		HostsFile: hostsFile,
 		Hosts: map[string][]netip.Addr{
@@ -192,7 +194,11 @@ func newWorld(t *testing.T) *world {
 			"rebind.test":   {netip.MustParseAddr("169.254.169.254"), netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("::1")},
 		},
 		TestOnlyAllowedAddrs: []netip.Prefix{netip.PrefixFrom(w.webAddr, 32)},
-	})
+	}
+	for _, f := range tune {
+		f(&opts)
+	}
+	gw, err := NewGateway(opts)
 	if err != nil {
 		t.Fatalf("NewGateway: %v", err)
 	}

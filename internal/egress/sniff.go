@@ -6,16 +6,13 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"net"
-	"net/http"
-	"strings"
 )
 
 // Limits on what the gateway reads from a box before it knows where the
 // connection goes.
 const (
 	maxClientHello = 64 << 10 // bytes of handshake message
-	maxHTTPHeader  = 32 << 10 // bytes of request line and headers
+	maxHTTPHeader  = 64 << 10 // bytes of request line and headers (the proxy's HTTP server)
 	sniffBuffer    = maxClientHello + 4<<10
 )
 
@@ -160,36 +157,5 @@ func sniffTLS(br *bufio.Reader) (string, error) {
 			return name, err
 		}
 		need = n
-	}
-}
-
-// sniffHTTP returns the host an HTTP/1 request at the start of br is for,
-// without consuming it: the host of an absolute request target, or else the
-// Host header, as servers read it.
-func sniffHTTP(br *bufio.Reader) (string, error) {
-	n := 1
-	for {
-		if _, err := br.Peek(n); err != nil {
-			return "", fmt.Errorf("reading HTTP request head: %w", err)
-		}
-		b, _ := br.Peek(min(br.Buffered(), maxHTTPHeader))
-		if i := bytes.Index(b, []byte("\r\n\r\n")); i >= 0 {
-			req, err := http.ReadRequest(bufio.NewReader(bytes.NewReader(b[:i+4])))
-			if err != nil {
-				return "", fmt.Errorf("parsing HTTP request: %w", err)
-			}
-			host := req.Host
-			if h, _, err := net.SplitHostPort(host); err == nil {
-				host = h
-			}
-			if host == "" {
-				return "", errors.New("HTTP request has no Host")
-			}
-			return strings.Trim(host, "[]"), nil
-		}
-		if len(b) >= maxHTTPHeader {
-			return "", fmt.Errorf("HTTP request head: %w", errTooLarge)
-		}
-		n = min(len(b)+1, maxHTTPHeader)
 	}
 }

@@ -99,38 +99,6 @@ func TestSniffTLSKeepsBytes(t *testing.T) {
 	}
 }
 
-func TestSniffHTTP(t *testing.T) {
-	tests := []struct {
-		req, host string
-	}{
-		{"GET / HTTP/1.1\r\nHost: Web.Test\r\n\r\n", "Web.Test"},
-		{"GET / HTTP/1.1\r\nHost: web.test:8080\r\nUser-Agent: x\r\n\r\nbody", "web.test"},
-		{"GET http://other.test/x HTTP/1.1\r\nHost: web.test\r\n\r\n", "other.test"}, // servers prefer the absolute URI
-		{"GET / HTTP/1.1\r\nHost: [::1]:80\r\n\r\n", "::1"},
-		{"GET / HTTP/1.1\r\nHost: 10.0.0.1\r\n\r\n", "10.0.0.1"},
-	}
-	for _, tt := range tests {
-		br := bufio.NewReader(strings.NewReader(tt.req))
-		host, err := sniffHTTP(br)
-		if err != nil || host != tt.host {
-			t.Errorf("sniffHTTP(%q) = %q, %v; want %q", tt.req, host, err, tt.host)
-		}
-		if rest, _ := br.Peek(len(tt.req)); string(rest) != tt.req {
-			t.Errorf("sniffing consumed bytes of %q", tt.req)
-		}
-	}
-	for _, bad := range []string{
-		"GET / HTTP/1.1\r\n\r\n",
-		"GET / HTTP/1.0\r\n\r\n",
-		"SSH-2.0-OpenSSH_9.2\r\n",
-		"GET / HTTP/1.1\r\nHost: a\r\n" + strings.Repeat("X-A: b\r\n", 8000) + "\r\n",
-	} {
-		if host, err := sniffHTTP(bufio.NewReaderSize(strings.NewReader(bad), sniffBuffer)); err == nil {
-			t.Errorf("sniffHTTP(%.40q) = %q", bad, host)
-		}
-	}
-}
-
 func FuzzParseClientHello(f *testing.F) {
 	f.Add(clientHello(f, "web.test"))
 	f.Add(clientHello(f, ""))

@@ -142,22 +142,33 @@ func vsockStream(port uint32) (string, error) {
 	if err != nil {
 		return "", err
 	}
+	accept, err := listenVsock(port)
+	if err != nil {
+		return "", err
+	}
+	go newBridge(master).serve(accept)
+	return slave, nil
+}
+
+// listenVsock listens on a vsock port and returns its accept.
+func listenVsock(port uint32) (func() (io.ReadWriteCloser, error), error) {
 	fd, err := unix.Socket(unix.AF_VSOCK, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
-		return "", fmt.Errorf("opening vsock: %w", err)
+		return nil, fmt.Errorf("opening vsock: %w", err)
 	}
 	if err := unix.Bind(fd, &unix.SockaddrVM{CID: unix.VMADDR_CID_ANY, Port: port}); err != nil {
-		return "", fmt.Errorf("binding vsock port %d: %w", port, err)
+		unix.Close(fd)
+		return nil, fmt.Errorf("binding vsock port %d: %w", port, err)
 	}
 	if err := unix.Listen(fd, 4); err != nil {
-		return "", fmt.Errorf("listening on vsock: %w", err)
+		unix.Close(fd)
+		return nil, fmt.Errorf("listening on vsock: %w", err)
 	}
-	go newBridge(master).serve(func() (io.ReadWriteCloser, error) {
+	return func() (io.ReadWriteCloser, error) {
 		nfd, _, err := unix.Accept4(fd, unix.SOCK_CLOEXEC)
 		if err != nil {
 			return nil, err
 		}
 		return os.NewFile(uintptr(nfd), "vsock"), nil
-	})
-	return slave, nil
+	}, nil
 }

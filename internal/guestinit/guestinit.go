@@ -20,8 +20,11 @@ package guestinit
 import (
 	"errors"
 	"fmt"
+	"net/url"
 	"strconv"
 	"strings"
+
+	"kiln/internal/sandbox/boxplan"
 )
 
 // Names shared with the host side (package image and the microvm driver).
@@ -49,6 +52,11 @@ const (
 // entropy into the kernel's pool, forces a reseed, sets the clock, and
 // answers one byte, so the host hands the box out only after.
 const SeedPortName = "kiln.seed"
+
+// SeedVsockPort is the seed port of a guest whose agent talks vsock
+// (Firecracker): the same messages and answers, one host connection per
+// restore.
+const SeedVsockPort = 1023
 
 // SeedSize is the entropy in a seed message; SeedMessageSize the whole.
 const (
@@ -108,6 +116,83 @@ var defaults = Params{
 	RootFSType:     "ext4",
 }
 
+// DefaultParams are the parameters of a command line that sets none.
+func DefaultParams() Params { return defaults }
+
+// cmdlineParams are the command-line keys of Params, each with how its
+// value is written (the host, Cmdline) and read (the guest, ParseCmdline):
+// one table, so the two sides cannot drift apart. A reader returns false
+// for a value it does not take; the field keeps its default.
+var cmdlineParams = []struct {
+	key   string
+	write func(*Params) string
+	read  func(*Params, string) bool
+}{
+	{"root", func(p *Params) string { return p.Root }, func(p *Params, v string) bool { p.Root = v; return true }},
+	{"rootfstype", func(p *Params) string { return p.RootFSType }, func(p *Params, v string) bool { p.RootFSType = v; return true }},
+	{"kiln.work_size", func(p *Params) string { return itoa(p.WorkspaceBytes) }, func(p *Params, v string) bool { return setSize(&p.WorkspaceBytes, v) }},
+	{"kiln.tmp_size", func(p *Params) string { return itoa(p.TmpBytes) }, func(p *Params, v string) bool { return setSize(&p.TmpBytes, v) }},
+	{"kiln.inodes", func(p *Params) string { return itoa(p.Inodes) }, func(p *Params, v string) bool { return setSize(&p.Inodes, v) }},
+	{"kiln.mem", func(p *Params) string { return itoa(p.MemoryBytes) }, func(p *Params, v string) bool { return setSize(&p.MemoryBytes, v) }},
+	{"kiln.pids", func(p *Params) string { return itoa(p.Pids) }, func(p *Params, v string) bool { return setInt(&p.Pids, v) }},
+	{"kiln.nofile", func(p *Params) string { return itoa(p.OpenFiles) }, func(p *Params, v string) bool { return setInt(&p.OpenFiles, v) }},
+	{"kiln.uid", func(p *Params) string { return itoa(p.UID) }, func(p *Params, v string) bool { return setInt(&p.UID, v) }},
+	{"kiln.gid", func(p *Params) string { return itoa(p.GID) }, func(p *Params, v string) bool { return setInt(&p.GID, v) }},
+	{"kiln.hostname", func(p *Params) string { return escape(p.Hostname) }, func(p *Params, v string) bool {
+		v, ok := unescape(v)
+		if ok = ok && validHostname(v); ok {
+			p.Hostname = v
+		}
+		return ok
+	}},
+	{"kiln.port", func(p *Params) string { return escape(p.Port) }, func(p *Params, v string) bool {
+		v, ok := unescape(v)
+		if ok = ok && v != ""; ok {
+			p.Port = v
+		}
+		return ok
+	}},
+	{"kiln.transport", func(p *Params) string { return p.Transport }, func(p *Params, v string) bool {
+		ok := v == "serial" || v == "vsock"
+		if ok {
+			p.Transport = v
+		}
+		return ok
+	}},
+	{"kiln.vsock_port", func(p *Params) string { return itoa(p.VsockPort) }, func(p *Params, v string) bool {
+		n, err := strconv.ParseUint(v, 10, 32)
+		if err == nil {
+			p.VsockPort = uint32(n)
+		}
+		return err == nil
+	}},
+}
+
+// Cmdline is p as kernel command-line words, which ParseCmdline reads
+// back as p when Validate accepts it. Strings the guest reads are
+// escaped, so that no value can end its word and start another (a
+// parameter, or init's arguments after "--").
+func (p Params) Cmdline() []string {
+	w := make([]string, 0, len(cmdlineParams))
+	for _, c := range cmdlineParams {
+		w = append(w, c.key+"="+c.write(&p))
+	}
+	return w
+}
+
+// Validate reports a value ParseCmdline would not read back from
+// Cmdline: the guest would use the default instead.
+func (p Params) Validate() error {
+	for _, c := range cmdlineParams {
+		v := c.write(&p)
+		var q Params
+		if v == "" || strings.ContainsAny(v, " \t\n\"") || !c.read(&q, v) {
+			return fmt.Errorf("invalid %s %q", c.key, v)
+		}
+	}
+	return nil
+}
+
 // ParseCmdline reads the parameters kiln cares about from a kernel command
 // line (the contents of /proc/cmdline). Unknown words are ignored; missing
 // or malformed values keep their defaults. Everything after "--" belongs to
@@ -122,56 +207,42 @@ func ParseCmdline(cmdline string) Params {
 		if !ok || v == "" {
 			continue
 		}
-		switch k {
-		case "kiln.work_size":
-			setSize(&p.WorkspaceBytes, v)
-		case "kiln.tmp_size":
-			setSize(&p.TmpBytes, v)
-		case "kiln.inodes":
-			setSize(&p.Inodes, v)
-		case "kiln.uid":
-			setInt(&p.UID, v)
-		case "kiln.gid":
-			setInt(&p.GID, v)
-		case "kiln.mem":
-			setSize(&p.MemoryBytes, v)
-		case "kiln.pids":
-			setInt(&p.Pids, v)
-		case "kiln.nofile":
-			setInt(&p.OpenFiles, v)
-		case "kiln.hostname":
-			if validHostname(v) {
-				p.Hostname = v
+		for _, c := range cmdlineParams {
+			if c.key == k {
+				c.read(&p, v)
 			}
-		case "kiln.port":
-			p.Port = v
-		case "kiln.transport":
-			if v == "serial" || v == "vsock" {
-				p.Transport = v
-			}
-		case "kiln.vsock_port":
-			if n, err := strconv.ParseUint(v, 10, 32); err == nil {
-				p.VsockPort = uint32(n)
-			}
-		case "root":
-			p.Root = v
-		case "rootfstype":
-			p.RootFSType = v
 		}
 	}
 	return p
 }
 
-func setSize(dst *int64, v string) {
-	if n, err := strconv.ParseInt(v, 10, 64); err == nil && n > 0 {
-		*dst = n
-	}
+func itoa[T int | int64 | uint32](n T) string { return strconv.FormatInt(int64(n), 10) }
+
+// escape percent-encodes s (spaces, quotes, "%" and the like), which the
+// kernel would otherwise split or interpret.
+func escape(s string) string { return url.PathEscape(s) }
+
+func unescape(s string) (string, bool) {
+	v, err := url.PathUnescape(s)
+	return v, err == nil
 }
 
-func setInt(dst *int, v string) {
-	if n, err := strconv.Atoi(v); err == nil && n >= 0 {
-		*dst = n
+func setSize(dst *int64, v string) bool {
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || n <= 0 {
+		return false
 	}
+	*dst = n
+	return true
+}
+
+func setInt(dst *int, v string) bool {
+	n, err := strconv.Atoi(v)
+	if err != nil || n < 0 {
+		return false
+	}
+	*dst = n
+	return true
 }
 
 func validHostname(s string) bool {
@@ -189,7 +260,7 @@ func validHostname(s string) bool {
 // merge fills zero fields of cfg from p.
 func (cfg Config) merge(p Params) Config {
 	if cfg.Workspace == "" {
-		cfg.Workspace = "/work"
+		cfg.Workspace = boxplan.Workspace
 	}
 	if cfg.WorkspaceBytes == 0 {
 		cfg.WorkspaceBytes = p.WorkspaceBytes
@@ -243,7 +314,7 @@ func mounts(cfg Config) []mount {
 		{"sysfs", "/sys", "sysfs", msNosuid | msNodev | msNoexec | msRdonly, ""},
 		{"devtmpfs", "/dev", "devtmpfs", msNosuid | msNoexec, "mode=0755"},
 		{"devpts", "/dev/pts", "devpts", msNosuid | msNoexec, "newinstance,ptmxmode=0666,mode=0620"},
-		{"tmpfs", "/dev/shm", "tmpfs", msNosuid | msNodev, fmt.Sprintf("mode=1777,size=%d", min(cfg.TmpBytes, 64<<20))},
+		{"tmpfs", "/dev/shm", "tmpfs", msNosuid | msNodev, fmt.Sprintf("mode=1777,size=%d", min(cfg.TmpBytes, boxplan.DevShmBytes))},
 		{"tmpfs", "/tmp", "tmpfs", msNosuid | msNodev, fmt.Sprintf("mode=1777,size=%d,nr_inodes=%d", cfg.TmpBytes, cfg.Inodes)},
 		{"tmpfs", "/run", "tmpfs", msNosuid | msNodev | msNoexec, "mode=0755,size=1048576"},
 		{"tmpfs", cfg.Workspace, "tmpfs", msNosuid | msNodev, fmt.Sprintf("mode=0755,size=%d,nr_inodes=%d,uid=%d,gid=%d", cfg.WorkspaceBytes, cfg.Inodes, cfg.UID, cfg.GID)},

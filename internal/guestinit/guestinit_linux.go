@@ -189,6 +189,9 @@ func setupRoot(cfg Config) (string, error) {
 		}
 	}
 	if p.Transport == "vsock" {
+		if err := serveSeedVsock(SeedVsockPort); err != nil {
+			return "", err
+		}
 		return vsockStream(p.VsockPort)
 	}
 	stream, err := findPort(p.Port)

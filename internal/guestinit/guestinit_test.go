@@ -85,3 +85,45 @@ func TestSysctls(t *testing.T) {
 	}
 	t.Error("user namespaces are not disabled")
 }
+
+// TestCmdlineRoundTrip: what the host writes (Cmdline) the guest reads
+// back (ParseCmdline) as written, hostile strings included, and no value
+// can add a parameter of its own or reach init's arguments.
+func TestCmdlineRoundTrip(t *testing.T) {
+	hostile := []string{"a b", "x kiln.uid=0", "-- -uid=0", `"quoted"`, "tab\there", "line\nbreak", "100%", "%zz", "=", "p=q", "ünïcode", "kiln.port=x"}
+	base := defaults
+	base.WorkspaceBytes, base.TmpBytes, base.Inodes, base.MemoryBytes = 1<<20+1, 3<<20, 77, 5<<30
+	base.UID, base.GID, base.Pids, base.OpenFiles = 0, 4242, 9, 99
+	base.Transport, base.VsockPort, base.Hostname = "vsock", 1<<32-1, "box-1.kiln"
+	cases := []Params{defaults, base}
+	for _, h := range hostile {
+		p := base
+		p.Port = h
+		cases = append(cases, p)
+	}
+	for _, p := range cases {
+		if err := p.Validate(); err != nil {
+			t.Errorf("Validate(%+v): %v", p, err)
+		}
+		line := "console=ttyS0 " + strings.Join(p.Cmdline(), " ") + " -- -guest"
+		if d := cmp.Diff(p, ParseCmdline(line)); d != "" {
+			t.Errorf("ParseCmdline(%q) (-wrote +read):\n%s", line, d)
+		}
+	}
+	// What the guest would not read back, the host is told of.
+	for _, bad := range []func(*Params){
+		func(p *Params) { p.Hostname = "a b" },
+		func(p *Params) { p.Hostname = "x kiln.uid=0" },
+		func(p *Params) { p.Transport = "tcp" },
+		func(p *Params) { p.WorkspaceBytes = 0 },
+		func(p *Params) { p.Pids = -1 },
+		func(p *Params) { p.Root = "/dev/vda kiln.uid=0" },
+		func(p *Params) { p.Port = "" },
+	} {
+		p := base
+		bad(&p)
+		if p.Validate() == nil {
+			t.Errorf("Validate(%+v) accepts what ParseCmdline would not read back", p)
+		}
+	}
+}

@@ -24,22 +24,54 @@ func serveSeed(path string) error {
 		return fmt.Errorf("opening /dev/random: %w", err)
 	}
 	go func() {
-		msg := make([]byte, SeedMessageSize)
 		for {
-			if _, err := io.ReadFull(f, msg); err != nil {
-				// EOF: no host end connected (a template being
-				// saved, or a VM going away). Wait for one.
-				time.Sleep(50 * time.Millisecond)
-				continue
-			}
-			reseed(int(rnd.Fd()), msg[:SeedSize])
-			ns := int64(binary.BigEndian.Uint64(msg[SeedSize:]))
-			ts := unix.NsecToTimespec(ns)
-			unix.ClockSettime(unix.CLOCK_REALTIME, &ts)
-			f.Write([]byte{1})
+			seedFrom(f, rnd)
+			// EOF: no host end connected (a template being
+			// saved, or a VM going away). Wait for one.
+			time.Sleep(50 * time.Millisecond)
 		}
 	}()
 	return nil
+}
+
+// serveSeedVsock serves seed messages on a vsock port: the host connects
+// once per restore.
+func serveSeedVsock(port uint32) error {
+	rnd, err := os.OpenFile("/dev/random", os.O_WRONLY, 0)
+	if err != nil {
+		return fmt.Errorf("opening /dev/random: %w", err)
+	}
+	accept, err := listenVsock(port)
+	if err != nil {
+		rnd.Close()
+		return err
+	}
+	go func() {
+		for {
+			c, err := accept()
+			if err != nil {
+				return
+			}
+			seedFrom(c, rnd)
+			c.Close()
+		}
+	}()
+	return nil
+}
+
+// seedFrom applies seed messages from port until it fails.
+func seedFrom(port io.ReadWriter, rnd *os.File) {
+	msg := make([]byte, SeedMessageSize)
+	for {
+		if _, err := io.ReadFull(port, msg); err != nil {
+			return
+		}
+		reseed(int(rnd.Fd()), msg[:SeedSize])
+		ns := int64(binary.BigEndian.Uint64(msg[SeedSize:]))
+		ts := unix.NsecToTimespec(ns)
+		unix.ClockSettime(unix.CLOCK_REALTIME, &ts)
+		port.Write([]byte{1})
+	}
 }
 
 // reseed credits data to the input pool and reseeds the CRNG from it.

@@ -1,8 +1,9 @@
 # kiln's Python kernel driver. It runs inside the sandbox, started by
 # kiln-agent. Requests arrive as JSON lines on fd 3; each answer is one JSON
-# line on fd 4. The cell's stdout and stderr are the process's own fds 1 and
-# 2, read by the agent; after each cell the driver writes a sentinel to both
-# so the agent knows where the cell's output ends.
+# line on fd 4, naming the cell it answers. The cell's stdout and stderr are
+# the process's own fds 1 and 2, read by the agent, which marks where a
+# cell's output starts and ends itself: this process is the cell's, so
+# nothing it knows could mark that unforgeably.
 import ast
 import base64
 import builtins
@@ -16,10 +17,12 @@ _REQ = None  # fd 3, opened by serve()
 _RES = None  # fd 4
 _MAX_REPR = 8 << 20  # one representation; bigger ones are dropped with a note
 _MAX_DISPLAYS = 64
+_MAX_RICH = 4 << 20  # all representations of one cell together (agentproto.MaxRich)
 _DRIVER_FILE = "<kiln-driver>"
 
 _displays = []
 _cell_count = 0
+_rich_used = 0  # bytes of representations kept in this cell
 
 _TEXT_REPRS = [
     ("text/html", "_repr_html_"),
@@ -58,10 +61,17 @@ def _put(bundle, mime, value):
         value = json.dumps(value, default=str)
     elif not isinstance(value, str):
         value = str(value)
+    global _rich_used
+    size = len(value) if value.isascii() else len(value.encode("utf-8", "replace"))
     if len(value) > _MAX_REPR:
         bundle.setdefault("text/x-kiln-note", "")
         bundle["text/x-kiln-note"] += "%s representation dropped: %d bytes is over the cap\n" % (mime, len(value))
         return
+    if _rich_used + size > _MAX_RICH:
+        bundle.setdefault("text/x-kiln-note", "")
+        bundle["text/x-kiln-note"] += "%s representation dropped: %d bytes would take the rich output of this call over %d MiB\n" % (mime, size, _MAX_RICH >> 20)
+        return
+    _rich_used += size
     bundle[mime] = value
 
 
@@ -269,7 +279,10 @@ def prepare():
 
 def serve(preloaded):
     """Say ready on fd 4, then run the cells that arrive on fd 3 until EOF."""
-    global _REQ, _RES
+    global _REQ, _RES, _rich_used
+    # Children the cells start (os.system, a shell) get neither.
+    os.set_inheritable(3, False)
+    os.set_inheritable(4, False)
     _REQ = os.fdopen(3, "rb", buffering=0)
     _RES = os.fdopen(4, "wb", buffering=0)
     ns = sys.modules["__main__"].__dict__
@@ -287,24 +300,25 @@ def serve(preloaded):
             line, buf = buf.split(b"\n", 1)
             try:
                 req = json.loads(line)
-            except ValueError:
+                code, cell = req["code"], req["cell"]
+            except (ValueError, TypeError, KeyError):
                 continue
             _displays.clear()
+            _rich_used = 0
             result, error, interrupted = None, None, False
             try:
-                result, error, interrupted = _run_cell(req["code"], ns)
+                result, error, interrupted = _run_cell(code, ns)
             except KeyboardInterrupt:
                 interrupted = True
             displays = list(_displays)
             _displays.clear()
-            sentinel = req["sentinel"].encode()
-            for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
+            # The cell's output is in the pipes before the answer is.
+            for stream in (sys.stdout, sys.stderr):
                 try:
                     stream.flush()
                 except Exception:
                     pass
-                os.write(fd, sentinel)
-            _send({"result": result, "displays": displays, "error": error, "interrupted": interrupted})
+            _send({"cell": cell, "result": result, "displays": displays, "error": error, "interrupted": interrupted})
 
 
 def main():

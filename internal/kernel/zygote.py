@@ -1,25 +1,35 @@
-# kiln's zygote: the fork server of the jail's template. It runs inside the
-# template's namespaces as root of the template's user namespace (with
-# capabilities only there), after prepare() imported the preloaded modules,
-# and it never runs a cell itself. For every box the host sends one request
-# on fd 3 (a SOCK_SEQPACKET socket): a JSON plan and two descriptors, the
-# box's end of its agent stream and a pipe for its error messages. The plan
-# is data computed by the host from the jail's policy tables (mounts,
-# rlimits, Landlock rules, the seccomp program); this file only carries it
-# out, in this order:
+# kiln's zygote: the fork server of the jail's template. It runs in the
+# template's mount, pid, network, ipc and uts namespaces but in the host's
+# user namespace, as the unprivileged host uid the template runs as, with
+# only CAP_SETUID, CAP_SETGID and CAP_SETFCAP, after prepare() imported the
+# preloaded modules, and it never runs a cell itself. For every box the
+# host sends one request on fd 3 (a SOCK_SEQPACKET socket): a JSON plan and
+# two descriptors, the box's end of its agent stream and a pipe for its
+# error messages. The plan is data the host generates from the box plan
+# that a directly started box's init interprets too (package boxplan:
+# mounts, rlimits, Landlock rules, environment; and the seccomp program);
+# this file only carries it out, in this order:
 #
-#   template ─fork─▶ G  into a fresh pid namespace, whose PID 1 it is.
-#                       The host moves it into the box's cgroup; it
-#                       unshares a mount namespace and mounts /work, /tmp,
-#                       /dev/shm and /proc while it still holds the
-#                       template's capabilities; then it unshares user,
-#                       network, ipc, uts and cgroup namespaces, and the
-#                       template writes its id maps (one uid range per
-#                       box). G sets hostname, loopback and rlimits, drops
-#                       every privilege, enters Landlock and seccomp, and
-#             ─fork─▶ K  the box's kernel: serve(). G then spawns
-#                       kiln-agent, which adopts K over four pipes, and
-#                       stays the box's PID 1, reaping.
+#   template ─fork─▶ G  says 'c'; the host moves it into the box's cgroup.
+#                       G becomes the box's own host uid and creates the
+#                       box's user, mount, pid, network, ipc, uts and cgroup
+#                       namespaces: the user namespace is a child of the
+#                       host's, owned by that uid, so the kernel charges
+#                       the box's per-user counts there. The template,
+#                       privileged in the host's namespace, writes its id
+#                       maps (the box's root is its owner).
+#             ─fork─▶ P  PID 1 of the box's pid namespace; G exits. P says
+#                       'p', mounts /work, /tmp, /dev/shm and /proc, sets
+#                       hostname, loopback and rlimits, and
+#                       keeps only the agent's capabilities, enters
+#                       Landlock and seccomp, and
+#             ─fork─▶ K  the box's kernel: drops every privilege, becomes
+#                       the code's uid and serves. P becomes non-dumpable
+#                       and spawns kiln-agent, which adopts K over its
+#                       pipes; P stays the box's PID 1, reaping. P and the
+#                       agent run as the box's root, K and everything it
+#                       starts as the code's uid: code cannot signal, trace
+#                       or read either of them.
 #
 # Library pages stay shared copy-on-write between the template and every
 # box. Nothing the template holds is secret, and a box cannot reach it: it
@@ -45,6 +55,7 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 
+PR_SET_DUMPABLE = 4
 PR_CAPBSET_DROP = 24
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_SECCOMP = 22
@@ -61,7 +72,8 @@ SIOCSIFFLAGS = 0x8914
 IFF_UP = 0x1
 
 _CTL = None  # the control socket, fd 3
-_PIDNS = -1  # our own pid namespace
+_SYS_CAPSET = -1  # capset(2)'s number, from the plan
+_SYS_CAPGET = -1  # capget(2)'s
 
 
 def _check(ret, what):
@@ -112,20 +124,57 @@ def _prctl(*args):
     return _libc.prctl(*[_ulong(a) for a in args])
 
 
-def _drop_privileges(plan):
+def _capset(keep, inheritable=0):
+    """Set this thread's permitted and effective sets to keep. struct
+    __user_cap_header_struct {version, pid}, two struct
+    __user_cap_data_struct {effective, permitted, inheritable} of u32."""
+    hdr = struct.pack("Ii", 0x20080522, 0)
+    lo, hi = keep & 0xFFFFFFFF, keep >> 32
+    data = ctypes.create_string_buffer(struct.pack("6I", lo, lo, inheritable & 0xFFFFFFFF, hi, hi, inheritable >> 32), 24)
+    return _libc.syscall(ctypes.c_long(_SYS_CAPSET), ctypes.c_char_p(hdr), data)
+
+
+def _permitted():
+    """This thread's permitted set."""
+    hdr = ctypes.create_string_buffer(struct.pack("Ii", 0x20080522, 0), 8)
+    data = ctypes.create_string_buffer(24)
+    _check(_libc.syscall(ctypes.c_long(_SYS_CAPGET), hdr, data), "capget")
+    _, prm_lo, _, _, prm_hi, _ = struct.unpack("6I", data.raw)
+    return prm_lo | prm_hi << 32
+
+
+def _bounding(keep):
     for cap in range(64):
+        if keep & (1 << cap):
+            continue
         if _prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) == -1 and ctypes.get_errno() != 22:  # EINVAL: no such cap
             _check(-1, "dropping capability %d" % cap)
     _check(_prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clearing ambient capabilities")
+
+
+def _drop_privileges(plan):
+    """K: no capability at all, as the code's uid. P emptied the bounding
+    and ambient sets already; K runs under P's seccomp filter, which lets
+    it change ids and capability sets but not drop bounding ones."""
     gid, uid = plan["gid"], plan["uid"]
     os.setresgid(gid, gid, gid)
     os.setresuid(uid, uid, uid)
     # Changing to a non-zero uid cleared the effective and permitted sets;
-    # clear the inheritable one too. struct __user_cap_header_struct
-    # {version, pid}, two struct __user_cap_data_struct of three u32.
-    hdr = struct.pack("Ii", 0x20080522, 0)
-    data = ctypes.create_string_buffer(24)
-    _check(_libc.syscall(ctypes.c_long(plan["sys_capset"]), ctypes.c_char_p(hdr), data), "capset")
+    # clear the inheritable one too.
+    _check(_capset(0), "capset")
+
+
+def _agent_privileges(plan):
+    """P and the agent: root of the box's user namespace with only the
+    capabilities the agent needs to run code as another uid and signal it:
+    permitted, effective and inheritable, which a root exec keeps; the
+    bounding set empty, so nothing exec'd gains more."""
+    keep = plan["agent_caps"]
+    # The inheritable set may only grow within the bounding set: set it
+    # while that is whole (we hold every capability of the box here).
+    _check(_capset(_permitted(), keep), "capset")
+    _bounding(0)
+    _check(_capset(keep, keep), "capset")
     _check(_prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "setting no_new_privs")
 
 
@@ -167,23 +216,21 @@ def _say(fd, byte):
     os.write(fd, byte)
 
 
-def _setns(fd, nstype):
-    _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(nstype)), "setns")
-
-
 def _box(plan, to_t, from_t):
-    """G, PID 1 of a fresh pid namespace, still in the template's others.
-    Runs with fds 0/1 = the box's stream, 2 = its error pipe."""
+    """G, in the template's namespaces. Runs with fds 0/1 = the box's
+    stream, 2 = its error pipe. Returns only in K."""
+    global _SYS_CAPSET, _SYS_CAPGET
+    _SYS_CAPSET, _SYS_CAPGET = plan["sys_capset"], plan["sys_capget"]
     _say(1, b"c")
     if os.read(0, 1) != b"k":
         raise RuntimeError("the host did not place the box in its cgroup")
-    # Mounts first, while we hold the template's capabilities: this mount
-    # namespace and our pid namespace belong to its user namespace, so no
-    # one in the box's own user namespace can ever change them.
-    _unshare(CLONE_NEWNS)
-    for m in plan["mounts"]:
-        _mount(m)
-    _unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP)
+    host = plan["host_id"]
+    os.setresgid(host, host, host)
+    os.setresuid(host, host, host)
+    # The uid change made us non-dumpable, which would give our /proc
+    # files to root: the template could not write our id maps.
+    _check(_prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "setting dumpable")
+    _unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP)
     os.write(to_t, b"u")
     if os.read(from_t, 1) != b"m":
         raise RuntimeError("the template did not map the box's ids")
@@ -191,15 +238,24 @@ def _box(plan, to_t, from_t):
     os.close(from_t)
     os.setresgid(0, 0, 0)
     os.setresuid(0, 0, 0)
+    if os.fork():
+        os._exit(0)
+    # P, PID 1 of the box's pid namespace.
+    _check(_prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "setting non-dumpable")
+    _say(1, b"p")
+    for m in plan["mounts"]:
+        _mount(m)
     socket.sethostname(plan["hostname"])
     _loopback_up()
     for res, val in plan["rlimits"]:
         resource.setrlimit(res, (val, val))
     os.chdir(plan["workspace"])
-    _drop_privileges(plan)
+
+    # Landlock and seccomp once, here: K inherits them, so it copies (and
+    # dirties) no more of the template's pages than it must.
+    _agent_privileges(plan)
     _landlock(plan.get("landlock"))
     _seccomp(plan["seccomp"])
-
     req_r, req_w = os.pipe()
     res_r, res_w = os.pipe()
     out_r, out_w = os.pipe()
@@ -210,19 +266,21 @@ def _box(plan, to_t, from_t):
     if k == 0:
         # K: the kernel. Only its pipes; never the box's stream.
         os.setpgid(0, 0)
+        _drop_privileges(plan)
         _arrange([null, out_w, err_w, req_r, res_w])
         return
     # The agent serves as our child (KILN_AGENT_CHILD), spawned without
     # copying our memory; we stay PID 1 and only reap, as its own PID 1
-    # mode would, until it exits.
-    _arrange([0, 1, 2, req_w, res_r, out_r, err_r, st_r, st_w])
-    os.set_inheritable(8, False)  # the write end stays with PID 1
+    # mode would, until it exits. It gets the kernel's pipes on fds 3-9
+    # (agent.AdoptedFiles), write ends of stdout and stderr included.
+    _arrange([0, 1, 2, req_w, res_r, out_r, err_r, st_r, out_w, err_w, st_w])
+    os.set_inheritable(10, False)  # the status write end stays with PID 1
     argv = ["kiln-agent"] + plan["agent_args"] + ["-adopt-kernel", str(k)]
     env = dict(kv.split("=", 1) for kv in plan["env"])
     env["KILN_AGENT_CHILD"] = "1"
     agent = os.posix_spawn(plan["agent"], argv, env)
-    os.closerange(0, 8)
-    os.closerange(9, 1 << 20)
+    os.closerange(0, 10)
+    os.closerange(11, 1 << 20)
     # Box processes may signal their PID 1 only where it has a handler;
     # leave them none (Python's own SIGINT one included).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -235,10 +293,10 @@ def _box(plan, to_t, from_t):
             continue
         if pid == k:
             try:
-                os.write(8, b"%d\n" % status)
+                os.write(10, b"%d\n" % status)
             except OSError:
                 pass
-            os.close(8)
+            os.close(10)
         if pid == agent:
             os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
@@ -254,15 +312,11 @@ def _reseed():
 
 
 def _spawn(plan, fds):
-    """Fork G, the box's first process, into a fresh pid namespace, and
-    write its id maps once it has its own user namespace. Returns True in
-    the box's kernel only, False in the template."""
+    """Fork G, the box's first process, and write its id maps once it has
+    its own user namespace. Returns True in the box's kernel only, False in
+    the template."""
     a_r = a_w = b_r = b_w = -1
     try:
-        # Our children go into a new pid namespace (setns back to our
-        # own first: unshare refuses while the last one is pending).
-        _setns(_PIDNS, CLONE_NEWPID)
-        _unshare(CLONE_NEWPID)
         a_r, a_w = os.pipe()  # G to the template
         b_r, b_w = os.pipe()  # the template to G
         pid = os.fork()
@@ -299,26 +353,35 @@ def _spawn(plan, fds):
 
 def _map(pid, plan, from_g, to_g):
     """Write the box's uid and gid maps once it has unshared its user
-    namespace (the template, in the parent namespace, may; the box may not)."""
+    namespace. The kernel wants the writer privileged in the parent
+    namespace (our capabilities) and over the new one: its owner, the
+    box's host uid, which we become as effective uid (and so file uid) for
+    the writes only. The box itself may not write them."""
     import select
 
     ready, _, _ = select.select([from_g], [], [], 10)
     if not ready or os.read(from_g, 1) != b"u":
         return  # G died or hung; the host times out and destroys it
+    me = os.geteuid()
     try:
+        os.setresuid(-1, plan["host_id"], -1)
         for name, value in (("setgroups", "deny"), ("gid_map", plan["gid_map"]), ("uid_map", plan["uid_map"])):
             with open("/proc/%d/%s" % (pid, name), "w") as f:
                 f.write(value)
         os.write(to_g, b"m")
-    except OSError:
-        pass
+    except OSError as e:
+        try:
+            os.write(2, ("kiln zygote: mapping the box's ids: %s\n" % e).encode())
+        except OSError:
+            pass
+    finally:
+        os.setresuid(-1, me, -1)
 
 
 def zygote_main():
-    global _CTL, _PIDNS
+    global _CTL
     preloaded = prepare()
     _CTL = socket.socket(fileno=3)
-    _PIDNS = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     # Children of the template are reaped by the kernel; each box's
     # processes are reaped by its own PID 1.
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)

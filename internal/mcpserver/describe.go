@@ -28,6 +28,13 @@ func (s *Server) facts() string {
 		o.DefaultTimeout.Seconds(), o.MaxTimeout.Seconds())
 	fmt.Fprintf(&b, "Limits: %d MiB memory, %d MiB workspace, %d processes. Output over %d characters per stream is cut in the middle. ",
 		o.Limits.MemoryBytes>>20, o.Limits.WorkspaceBytes>>20, o.Limits.Pids, o.MaxOutput)
+	if s.perCall() {
+		fmt.Fprintf(&b, "At most %d sandboxes run at once; when all are in use a call waits up to %gs, then returns a \"busy\" error: retry it later. ",
+			o.MaxBoxes, o.BoxWait.Seconds())
+	} else {
+		fmt.Fprintf(&b, "You may hold at most %d live sessions (the server %d in all, with at most %d sandboxes at once); reset_session frees one. When all sandboxes are in use a call waits up to %gs, then returns a \"busy\" error: retry it later. ",
+			o.MaxSessionsPerPrincipal, o.MaxSessions, o.MaxBoxes, o.BoxWait.Seconds())
+	}
 	b.WriteString("The working directory is " + workspace + ".")
 	return b.String()
 }

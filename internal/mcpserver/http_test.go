@@ -3,6 +3,8 @@ package mcpserver_test
 import (
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -70,6 +72,42 @@ func TestHTTPNeedsToken(t *testing.T) {
 		resp.Body.Close()
 		if resp.StatusCode != c.want {
 			t.Errorf("auth %q: status %d, want %d", c.auth, resp.StatusCode, c.want)
+		}
+	}
+}
+
+// TestLoadTokensFileMode: like ssh with a private key, a token file that
+// its group or others can read is refused, and the error says how to fix
+// it.
+func TestLoadTokensFileMode(t *testing.T) {
+	for _, c := range []struct {
+		mode os.FileMode
+		ok   bool
+	}{
+		{0o600, true},
+		{0o400, true},
+		{0o640, false},
+		{0o604, false},
+		{0o644, false},
+		{0o660, false},
+	} {
+		p := filepath.Join(t.TempDir(), "tokens")
+		if err := os.WriteFile(p, []byte("alice:"+strings.Repeat("t", 32)+"\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chmod(p, c.mode); err != nil {
+			t.Fatal(err)
+		}
+		toks, err := mcpserver.LoadTokens("", p)
+		if c.ok && (err != nil || len(toks) != 1) {
+			t.Errorf("mode %04o: %v", c.mode, err)
+		}
+		if !c.ok {
+			if err == nil {
+				t.Errorf("a token file with mode %04o was accepted", c.mode)
+			} else if !strings.Contains(err.Error(), "chmod 600") {
+				t.Errorf("mode %04o: the error does not say how to fix it: %v", c.mode, err)
+			}
 		}
 	}
 }

@@ -19,7 +19,43 @@ const (
 	maxImages     = 8
 	maxImageBytes = 4 << 20
 	maxInlineText = 8 << 10 // per-call produced text files shown inline
+	// maxResultRich bounds the rich output of one result as the client
+	// receives it: images as base64, representations as escaped JSON,
+	// where HTML's "<" costs six bytes. The SDK's clients refuse a message
+	// over 16 MiB; what is beyond is dropped with a note.
+	maxResultRich = 10 << 20
 )
+
+// richCut spends maxResultRich over one result.
+type richCut struct{ left, dropped, total int }
+
+func (c *richCut) take(n int) bool {
+	c.total += n
+	if n > c.left {
+		c.dropped += n
+		return false
+	}
+	c.left -= n
+	return true
+}
+
+// jsonLen is the length of s as a JSON string, as the SDK encodes it.
+func jsonLen(s string) int {
+	n := 2
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case c == '<' || c == '>' || c == '&':
+			n += 6
+		case c == '"' || c == '\\' || c == '\n' || c == '\r' || c == '\t':
+			n += 2
+		case c < 0x20:
+			n += 6
+		default:
+			n++
+		}
+	}
+	return n
+}
 
 // richTypes are kept in structuredContent; images become image blocks.
 var richTypes = []string{"text/html", "text/markdown", "image/svg+xml", "text/latex", "application/json"}
@@ -33,83 +69,125 @@ func (s *Server) render(out *session.Outcome, produced []session.Produced) *mcp.
 	if res == nil {
 		res = &agentproto.ExecResult{}
 	}
-	var text strings.Builder
+	r := &rendering{cut: richCut{left: maxResultRich}}
 	if out.Session != "" {
-		fmt.Fprintf(&text, "[session: %s", out.Session)
+		fmt.Fprintf(&r.text, "[session: %s", out.Session)
 		if out.Fresh {
-			text.WriteString(", new sandbox")
+			r.text.WriteString(", new sandbox")
 		}
-		text.WriteString("]\n")
+		r.text.WriteString("]\n")
 	}
-	writeStream(&text, "", res.Stdout)
-	writeStream(&text, "stderr:\n", res.Stderr)
+	writeStream(&r.text, "", res.Stdout)
+	writeStream(&r.text, "stderr:\n", res.Stderr)
 
-	var images []mcp.Content
-	var notes []string
-	addImage := func(mime, b64 string) {
-		data, err := base64.StdEncoding.DecodeString(b64)
-		switch {
-		case err != nil:
-			notes = append(notes, "an image could not be decoded")
-		case len(images) >= maxImages:
-			notes = append(notes, fmt.Sprintf("image dropped: only %d images per result", maxImages))
-		case len(data) > maxImageBytes:
-			notes = append(notes, fmt.Sprintf("image dropped: %d bytes is over the %d byte cap", len(data), maxImageBytes))
-		default:
-			images = append(images, &mcp.ImageContent{MIMEType: mime, Data: data})
-		}
-	}
 	var displays []map[string]string
 	for _, d := range res.Displays {
-		displays = append(displays, s.bundle(d, &text, addImage))
+		displays = append(displays, r.bundle(d))
 	}
 	var result map[string]string
 	if len(res.Result) > 0 {
-		text.WriteString("Out: ")
-		result = s.bundle(res.Result, &text, addImage)
+		r.text.WriteString("Out: ")
+		result = r.bundle(res.Result)
 	}
+	r.status(out, res)
+	files := r.files(produced)
+	if r.cut.dropped > 0 {
+		r.notes = append(r.notes, fmt.Sprintf("dropped %d of %d bytes of rich output (at most %d MiB per result)", r.cut.dropped, r.cut.total, maxResultRich>>20))
+	}
+	r.notes = append(r.notes, res.Notes...)
+	if out.Note != "" {
+		r.notes = append(r.notes, out.Note)
+	}
+	for _, n := range r.notes {
+		fmt.Fprintf(&r.text, "[kiln: %s]\n", n)
+	}
+	return &mcp.CallToolResult{
+		Content:           append([]mcp.Content{&mcp.TextContent{Text: strings.TrimRight(r.text.String(), "\n")}}, r.images...),
+		StructuredContent: structured(out, res, result, displays, files, r.notes),
+		IsError:           res.Error != nil || res.ExitCode != 0 || res.Signal != "" || out.TimedOut,
+	}
+}
+
+// rendering is one tool result being built: its text block, its image
+// and resource blocks, its notes for the model, and the rich output
+// budget they share.
+type rendering struct {
+	text   strings.Builder
+	images []mcp.Content
+	notes  []string
+	cut    richCut
+}
+
+// addImage adds an image block, or a note saying why it was dropped.
+func (r *rendering) addImage(mime, b64 string) {
+	if !r.cut.take(len(b64)) {
+		return
+	}
+	data, err := base64.StdEncoding.DecodeString(b64)
+	switch {
+	case err != nil:
+		r.notes = append(r.notes, "an image could not be decoded")
+	case len(r.images) >= maxImages:
+		r.notes = append(r.notes, fmt.Sprintf("image dropped: only %d images per result", maxImages))
+	case len(data) > maxImageBytes:
+		r.notes = append(r.notes, fmt.Sprintf("image dropped: %d bytes is over the %d byte cap", len(data), maxImageBytes))
+	default:
+		r.images = append(r.images, &mcp.ImageContent{MIMEType: mime, Data: data})
+	}
+}
+
+// status writes how the code ended: its exception, "(no output)" for a
+// per-call run that printed nothing, the signal or exit status.
+func (r *rendering) status(out *session.Outcome, res *agentproto.ExecResult) {
 	if e := res.Error; e != nil {
 		if e.Traceback != "" {
-			text.WriteString(strings.TrimRight(e.Traceback, "\n") + "\n")
+			r.text.WriteString(strings.TrimRight(e.Traceback, "\n") + "\n")
 		} else {
-			fmt.Fprintf(&text, "%s: %s\n", e.Name, e.Value)
+			fmt.Fprintf(&r.text, "%s: %s\n", e.Name, e.Value)
 		}
 	}
 	if res.Error == nil && out.Session == "" && res.ExitCode == 0 && res.Stdout.Total == 0 && res.Stderr.Total == 0 && len(res.Result) == 0 && len(res.Displays) == 0 {
-		text.WriteString("(no output)\n")
+		r.text.WriteString("(no output)\n")
 	}
 	if res.Signal != "" && res.Error == nil {
-		fmt.Fprintf(&text, "killed by %s\n", res.Signal)
+		fmt.Fprintf(&r.text, "killed by %s\n", res.Signal)
 	} else if res.ExitCode != 0 {
-		fmt.Fprintf(&text, "exit status %d\n", res.ExitCode)
+		fmt.Fprintf(&r.text, "exit status %d\n", res.ExitCode)
 	}
+}
+
+// files shows the files a per-call run produced: images as image blocks,
+// small text inline, other content as a resource while the budget lasts;
+// it returns their structuredContent entries.
+func (r *rendering) files(produced []session.Produced) []map[string]any {
 	var files []map[string]any
 	for _, p := range produced {
 		f := map[string]any{"path": p.Path, "size": p.Size}
 		switch mime := imageMIME(p.Path, p.Data); {
 		case mime != "":
-			addImage(mime, base64.StdEncoding.EncodeToString(p.Data))
-			fmt.Fprintf(&text, "file %s (%d bytes, image below)\n", p.Path, p.Size)
+			r.addImage(mime, base64.StdEncoding.EncodeToString(p.Data))
+			fmt.Fprintf(&r.text, "file %s (%d bytes, image below)\n", p.Path, p.Size)
 		case p.Data != nil && len(p.Data) <= maxInlineText && utf8.Valid(p.Data):
-			fmt.Fprintf(&text, "file %s (%d bytes):\n%s\n", p.Path, p.Size, strings.TrimRight(string(p.Data), "\n"))
+			fmt.Fprintf(&r.text, "file %s (%d bytes):\n%s\n", p.Path, p.Size, strings.TrimRight(string(p.Data), "\n"))
 			f["text"] = string(p.Data)
-		case p.Data != nil:
-			fmt.Fprintf(&text, "file %s (%d bytes, base64 in a resource)\n", p.Path, p.Size)
-			images = append(images, &mcp.EmbeddedResource{Resource: &mcp.ResourceContents{
+		case p.Data != nil && r.cut.take(base64.StdEncoding.EncodedLen(len(p.Data))):
+			fmt.Fprintf(&r.text, "file %s (%d bytes, base64 in a resource)\n", p.Path, p.Size)
+			r.images = append(r.images, &mcp.EmbeddedResource{Resource: &mcp.ResourceContents{
 				URI: "file://" + path.Join(workspace, p.Path), MIMEType: "application/octet-stream", Blob: p.Data,
 			}})
+		case p.Data != nil:
+			fmt.Fprintf(&r.text, "file %s (%d bytes, over the result's %d MiB of rich output)\n", p.Path, p.Size, maxResultRich>>20)
 		default:
-			fmt.Fprintf(&text, "file %s (%d bytes, too large to return)\n", p.Path, p.Size)
+			fmt.Fprintf(&r.text, "file %s (%d bytes, %s)\n", p.Path, p.Size, p.Skipped)
 		}
 		files = append(files, f)
 	}
-	if out.Note != "" {
-		notes = append(notes, out.Note)
-	}
-	for _, n := range notes {
-		fmt.Fprintf(&text, "[kiln: %s]\n", n)
-	}
+	return files
+}
 
+// structured is the result's structuredContent: the facts of the text
+// block, and the rich representations it only mentions.
+func structured(out *session.Outcome, res *agentproto.ExecResult, result map[string]string, displays []map[string]string, files []map[string]any, notes []string) map[string]any {
 	structured := map[string]any{
 		"stdout":      res.Stdout.Text,
 		"stderr":      res.Stderr.Text,
@@ -142,43 +220,42 @@ func (s *Server) render(out *session.Outcome, produced []session.Produced) *mcp.
 	if len(notes) > 0 {
 		structured["notes"] = notes
 	}
-	return &mcp.CallToolResult{
-		Content:           append([]mcp.Content{&mcp.TextContent{Text: strings.TrimRight(text.String(), "\n")}}, images...),
-		StructuredContent: structured,
-		IsError:           res.Error != nil || res.ExitCode != 0 || res.Signal != "" || out.TimedOut,
-	}
+	return structured
 }
 
-// bundle writes a mime bundle's text form, sends its images to addImage
-// and returns the representations kept in structuredContent.
-func (s *Server) bundle(b agentproto.MimeBundle, text *strings.Builder, addImage func(mime, b64 string)) map[string]string {
+// bundle writes a mime bundle's text form, adds its images and returns
+// the representations kept in structuredContent.
+func (r *rendering) bundle(b agentproto.MimeBundle) map[string]string {
 	kept := map[string]string{}
 	hasImage := false
 	for _, mime := range []string{"image/png", "image/jpeg", "image/gif", "image/webp"} {
 		if v, ok := b[mime]; ok {
-			addImage(mime, v)
+			r.addImage(mime, v)
 			hasImage = true
 		}
 	}
+	plain := b["text/plain"]
+	if plain != "" && !r.cut.take(2*jsonLen(plain)) { // in the text block and in structuredContent
+		plain = ""
+	}
 	for _, mime := range richTypes {
-		if v, ok := b[mime]; ok {
+		if v, ok := b[mime]; ok && r.cut.take(jsonLen(v)) {
 			kept[mime] = v
 		}
 	}
-	plain := b["text/plain"]
 	if plain != "" {
 		kept["text/plain"] = plain
 	}
 	switch {
 	case hasImage:
-		fmt.Fprintf(text, "%s (image below)\n", firstLine(plain, "<image>"))
+		fmt.Fprintf(&r.text, "%s (image below)\n", firstLine(plain, "<image>"))
 	case plain != "":
-		text.WriteString(strings.TrimRight(plain, "\n") + "\n")
-	case b["text/markdown"] != "":
-		text.WriteString(b["text/markdown"] + "\n")
+		r.text.WriteString(strings.TrimRight(plain, "\n") + "\n")
+	case kept["text/markdown"] != "":
+		r.text.WriteString(kept["text/markdown"] + "\n")
 	}
 	if note := b["text/x-kiln-note"]; note != "" {
-		text.WriteString("[kiln: " + strings.TrimSpace(note) + "]\n")
+		r.text.WriteString("[kiln: " + strings.TrimSpace(note) + "]\n")
 	}
 	var extra []string
 	for mime := range kept {
@@ -188,7 +265,7 @@ func (s *Server) bundle(b agentproto.MimeBundle, text *strings.Builder, addImage
 	}
 	if len(extra) > 0 {
 		sort.Strings(extra)
-		fmt.Fprintf(text, "[also as %s in structuredContent]\n", strings.Join(extra, ", "))
+		fmt.Fprintf(&r.text, "[also as %s in structuredContent]\n", strings.Join(extra, ", "))
 	}
 	return kept
 }
@@ -202,13 +279,15 @@ func firstLine(s, fallback string) string {
 }
 
 // writeStream writes captured output, marking where the agent cut it.
+// AgentConn has validated the stream; a cut out of range is still ignored
+// here rather than trusted.
 func writeStream(b *strings.Builder, label string, st agentproto.Stream) {
 	if st.Total == 0 {
 		return
 	}
 	b.WriteString(label)
 	t := strings.ToValidUTF8(st.Text, "\uFFFD")
-	if dropped := st.Truncated(); dropped > 0 && st.Cut <= len(st.Text) {
+	if dropped := st.Truncated(); dropped > 0 && st.Cut >= 0 && st.Cut <= len(st.Text) {
 		head, tail := strings.ToValidUTF8(st.Text[:st.Cut], "\uFFFD"), strings.ToValidUTF8(st.Text[st.Cut:], "\uFFFD")
 		t = head + fmt.Sprintf("\n[… truncated %d of %d bytes …]\n", dropped, st.Total) + tail
 	}

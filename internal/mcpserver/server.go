@@ -11,12 +11,14 @@ import (
 	"fmt"
 	"log/slog"
 	"path"
+	"runtime/debug"
 	"strings"
 	"unicode/utf8"
 
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
 	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/boxplan"
 	"kiln/internal/session"
 )
 
@@ -100,13 +102,13 @@ func (s *Server) addTools() {
 		Title:       "Run Python",
 		Description: s.describeRunPython(),
 		Annotations: &mcp.ToolAnnotations{OpenWorldHint: boolPtr(s.opts.Network != "")},
-	}, s.runPython)
+	}, guard(s, s.runPython, func(a RunPythonArgs) string { return a.Session }))
 	mcp.AddTool(s.mcp, &mcp.Tool{
 		Name:        "run_shell",
 		Title:       "Run shell command",
 		Description: s.describeRunShell(),
 		Annotations: &mcp.ToolAnnotations{OpenWorldHint: boolPtr(s.opts.Network != "")},
-	}, s.runShell)
+	}, guard(s, s.runShell, func(a RunShellArgs) string { return a.Session }))
 	if s.perCall() {
 		return
 	}
@@ -115,30 +117,60 @@ func (s *Server) addTools() {
 		Title:       "Write a file in the sandbox",
 		Description: "Write a file into the sandbox workspace (" + workspace + "), creating parent directories. Paths are relative to the workspace; nothing outside it can be written. Use encoding \"base64\" for binary content.",
 		Annotations: &mcp.ToolAnnotations{OpenWorldHint: boolPtr(false)},
-	}, s.writeFile)
+	}, guard(s, s.writeFile, func(a WriteFileArgs) string { return a.Session }))
 	mcp.AddTool(s.mcp, &mcp.Tool{
 		Name:        "read_file",
 		Title:       "Read a file from the sandbox",
 		Description: "Read a file from the sandbox workspace. Images come back as images, text as text, other binary files as base64.",
 		Annotations: &mcp.ToolAnnotations{ReadOnlyHint: ro, OpenWorldHint: boolPtr(false)},
-	}, s.readFile)
+	}, guard(s, s.readFile, func(a ReadFileArgs) string { return a.Session }))
 	mcp.AddTool(s.mcp, &mcp.Tool{
 		Name:        "list_files",
 		Title:       "List files in the sandbox",
 		Description: "List the files under a directory of the sandbox workspace (recursively, up to 1000 entries), with sizes.",
 		Annotations: &mcp.ToolAnnotations{ReadOnlyHint: ro, OpenWorldHint: boolPtr(false)},
-	}, s.listFiles)
+	}, guard(s, s.listFiles, func(a ListFilesArgs) string { return a.Session }))
 	mcp.AddTool(s.mcp, &mcp.Tool{
 		Name:        "reset_session",
 		Title:       "Reset a session",
-		Description: "Throw away a session's sandbox: its variables, files and processes. The next call in that session starts a fresh sandbox.",
+		Description: "Throw away a session's sandbox: its variables, files and processes. A call still running in that session is cut off. The next call in that session starts a fresh sandbox.",
 		Annotations: &mcp.ToolAnnotations{DestructiveHint: &destructive, OpenWorldHint: boolPtr(false)},
-	}, s.resetSession)
+	}, guard(s, s.resetSession, func(a ResetSessionArgs) string { return a.Session }))
 }
 
 func boolPtr(b bool) *bool { return &b }
 
-const workspace = "/work"
+// guard makes a panic while handling one call an error result for that
+// call: it is logged with its stack, and the session's box is destroyed
+// (what it sent may be what caused it). It never takes the server down.
+// sessionOf names the session the arguments ask for.
+func guard[In any](s *Server, h mcp.ToolHandlerFor[In, any], sessionOf func(In) string) mcp.ToolHandlerFor[In, any] {
+	return func(ctx context.Context, req *mcp.CallToolRequest, args In) (res *mcp.CallToolResult, out any, err error) {
+		defer func() {
+			v := recover()
+			if v == nil {
+				return
+			}
+			tool := ""
+			if req != nil && req.Params != nil {
+				tool = req.Params.Name
+			}
+			s.log.Error("panic handling a call", "tool", tool, "panic", v, "stack", string(debug.Stack()))
+			what := "no sandbox was involved"
+			if !s.perCall() && req != nil {
+				if name, nerr := sessionName(req, sessionOf(args)); nerr == nil && s.mgr.Reset(principal(req), name) {
+					what = fmt.Sprintf("the sandbox of session %q was destroyed; the next call there starts fresh", name)
+				}
+			} else if s.perCall() {
+				what = "its sandbox was destroyed"
+			}
+			res, out, err = toolError("kiln faulted while handling this call (%v); %s", v, what), nil, nil
+		}()
+		return h(ctx, req, args)
+	}
+}
+
+const workspace = boxplan.Workspace
 
 // principal identifies the caller: the token's user over HTTP, "local"
 // over stdio.
@@ -210,6 +242,8 @@ func (s *Server) run(ctx context.Context, req *mcp.CallToolRequest, lang session
 	}
 	timeout := s.mgr.Timeout(timeoutS)
 	log := s.log.With("principal", principal(req), "tool", req.Params.Name)
+	ctx, stopProgress := s.liveProgress(ctx, req)
+	defer stopProgress()
 
 	if s.perCall() {
 		if name != "" {
@@ -253,7 +287,8 @@ func (s *Server) failure(log *slog.Logger, err error) *mcp.CallToolResult {
 	if errors.As(err, &ae) {
 		return toolError("%s", ae.Msg)
 	}
-	if errors.Is(err, session.ErrBadName) || errors.Is(err, session.ErrTooMany) || errors.Is(err, session.ErrShutdown) {
+	if errors.Is(err, session.ErrBadName) || errors.Is(err, session.ErrTooMany) || errors.Is(err, session.ErrShutdown) ||
+		errors.Is(err, session.ErrBusy) || errors.Is(err, session.ErrReset) {
 		return toolError("%v", err)
 	}
 	log.Error("call failed", "err", err)
@@ -272,8 +307,8 @@ func decodeFiles(files map[string]string) (map[string][]byte, error) {
 			}
 		}
 		total += len(data)
-		if total > 32<<20 {
-			return nil, errors.New("files add up to more than 32 MiB")
+		if total > maxFilesBytes {
+			return nil, fmt.Errorf("files add up to more than %d MiB", maxFilesBytes>>20)
 		}
 		out[p] = data
 	}

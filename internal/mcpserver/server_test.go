@@ -2,7 +2,6 @@ package mcpserver_test
 
 import (
 	"context"
-	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -10,44 +9,9 @@ import (
 
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
-	"kiln/internal/mcpserver"
 	"kiln/internal/sandbox"
-	"kiln/internal/sandbox/jail"
-	"kiln/internal/sandbox/sandboxtest"
 	"kiln/internal/session"
 )
-
-// connect serves a kiln MCP server on the jail backend over the SDK's
-// in-memory transports and returns a client session.
-func connect(t *testing.T, mode session.Mode) *mcp.ClientSession {
-	t.Helper()
-	if os.Getuid() != 0 {
-		t.Skip("needs root for the jail backend")
-	}
-	b, err := jail.New(jail.Options{Agent: sandboxtest.BuildAgent(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	mgr := session.NewManager(session.Options{
-		Backend: b, Mode: mode, Preload: []string{"matplotlib"},
-		DefaultTimeout: 20 * time.Second, MaxOutput: 2000, Grace: time.Second,
-	})
-	t.Cleanup(mgr.Close)
-	srv := mcpserver.New(mcpserver.Options{Manager: mgr, Runtime: b.Runtime(), Backend: "jail"})
-	ct, st := mcp.NewInMemoryTransports()
-	ctx := context.Background()
-	ss, err := srv.MCP().Connect(ctx, st, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ss.Close() })
-	cs, err := mcp.NewClient(&mcp.Implementation{Name: "test", Version: "1"}, nil).Connect(ctx, ct, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cs.Close() })
-	return cs
-}
 
 func call(t *testing.T, cs *mcp.ClientSession, tool string, args map[string]any) *mcp.CallToolResult {
 	t.Helper()
@@ -81,111 +45,117 @@ func images(res *mcp.CallToolResult) []*mcp.ImageContent {
 }
 
 func TestToolsAndDescriptions(t *testing.T) {
-	cs := connect(t, session.ModeSession)
-	list, err := cs.ListTools(context.Background(), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var names []string
-	for _, tool := range list.Tools {
-		names = append(names, tool.Name)
-		if tool.OutputSchema != nil {
-			t.Errorf("%s advertises an outputSchema; clients that honour it drop image blocks", tool.Name)
+	onBackends(t, func(t *testing.T, b sandbox.Backend) {
+		cs := connect(t, b, session.ModeSession)
+		list, err := cs.ListTools(context.Background(), nil)
+		if err != nil {
+			t.Fatal(err)
 		}
-	}
-	slices.Sort(names)
-	want := []string{"list_files", "read_file", "reset_session", "run_python", "run_shell", "write_file"}
-	if !slices.Equal(names, want) {
-		t.Errorf("tools %v, want %v", names, want)
-	}
-	for _, tool := range list.Tools {
-		if tool.Name == "run_python" && (!strings.Contains(tool.Description, "NO network") || !strings.Contains(tool.Description, "20s")) {
-			t.Errorf("run_python description does not state the live configuration: %s", tool.Description)
+		var names []string
+		for _, tool := range list.Tools {
+			names = append(names, tool.Name)
+			if tool.OutputSchema != nil {
+				t.Errorf("%s advertises an outputSchema; clients that honour it drop image blocks", tool.Name)
+			}
 		}
-	}
+		slices.Sort(names)
+		want := []string{"list_files", "read_file", "reset_session", "run_python", "run_shell", "write_file"}
+		if !slices.Equal(names, want) {
+			t.Errorf("tools %v, want %v", names, want)
+		}
+		for _, tool := range list.Tools {
+			if tool.Name == "run_python" && (!strings.Contains(tool.Description, "NO network") || !strings.Contains(tool.Description, "20s")) {
+				t.Errorf("run_python description does not state the live configuration: %s", tool.Description)
+			}
+		}
+	})
 }
 
 func TestSessionCalls(t *testing.T) {
-	cs := connect(t, session.ModeSession)
-	res := call(t, cs, "run_python", map[string]any{"code": "x = 40\nprint('hi')\nx + 2"})
-	if res.IsError || !strings.Contains(text(res), "[session: default") || !strings.Contains(text(res), "hi\nOut: 42") {
-		t.Fatalf("first call: %q", text(res))
-	}
-	if res := call(t, cs, "run_python", map[string]any{"code": "x"}); !strings.Contains(text(res), "Out: 40") {
-		t.Errorf("state lost: %q", text(res))
-	}
-	res = call(t, cs, "run_python", map[string]any{"code": "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()"})
-	if imgs := images(res); len(imgs) != 1 || imgs[0].MIMEType != "image/png" || string(imgs[0].Data[:4]) != "\x89PNG" {
-		t.Errorf("want one PNG block, got %d: %q", len(imgs), text(res))
-	}
-	res = call(t, cs, "run_python", map[string]any{"code": "def f():\n    raise ValueError('boom')\nf()"})
-	if !res.IsError || !strings.Contains(text(res), "ValueError: boom") || !strings.Contains(text(res), "raise ValueError") {
-		t.Errorf("exception: %v %q", res.IsError, text(res))
-	}
-	res = call(t, cs, "run_python", map[string]any{"code": "print('y' * 10000)"})
-	if !strings.Contains(text(res), "truncated 8001 of 10001 bytes") {
-		t.Errorf("flood not truncated with a note: %.300q", text(res))
-	}
-	res = call(t, cs, "write_file", map[string]any{"path": "d/in.txt", "content": "from the model"})
-	if res.IsError {
-		t.Fatal(text(res))
-	}
-	if res := call(t, cs, "run_shell", map[string]any{"command": "cat d/in.txt"}); !strings.Contains(text(res), "from the model") {
-		t.Errorf("shell did not see the file: %q", text(res))
-	}
-	call(t, cs, "run_python", map[string]any{"code": "plt.plot([1]); plt.savefig('p.png')"})
-	if res := call(t, cs, "read_file", map[string]any{"path": "p.png"}); len(images(res)) != 1 {
-		t.Errorf("read_file of a PNG: %q", text(res))
-	}
-	if res := call(t, cs, "read_file", map[string]any{"path": "../../etc/passwd"}); !res.IsError {
-		t.Errorf("read outside the workspace: %q", text(res))
-	}
-	if res := call(t, cs, "run_python", map[string]any{"code": "1", "session": "bad name!"}); !res.IsError {
-		t.Errorf("bad session name accepted")
-	}
-	if res := call(t, cs, "run_python", map[string]any{"code": "x", "session": "other"}); !res.IsError || !strings.Contains(text(res), "NameError") {
-		t.Errorf("named session shares state with default: %q", text(res))
-	}
+	onBackends(t, func(t *testing.T, b sandbox.Backend) {
+		cs := connect(t, b, session.ModeSession)
+		res := call(t, cs, "run_python", map[string]any{"code": "x = 40\nprint('hi')\nx + 2"})
+		if res.IsError || !strings.Contains(text(res), "[session: default") || !strings.Contains(text(res), "hi\nOut: 42") {
+			t.Fatalf("first call: %q", text(res))
+		}
+		if res := call(t, cs, "run_python", map[string]any{"code": "x"}); !strings.Contains(text(res), "Out: 40") {
+			t.Errorf("state lost: %q", text(res))
+		}
+		res = call(t, cs, "run_python", map[string]any{"code": "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()"})
+		if imgs := images(res); len(imgs) != 1 || imgs[0].MIMEType != "image/png" || string(imgs[0].Data[:4]) != "\x89PNG" {
+			t.Errorf("want one PNG block, got %d: %q", len(imgs), text(res))
+		}
+		res = call(t, cs, "run_python", map[string]any{"code": "def f():\n    raise ValueError('boom')\nf()"})
+		if !res.IsError || !strings.Contains(text(res), "ValueError: boom") || !strings.Contains(text(res), "raise ValueError") {
+			t.Errorf("exception: %v %q", res.IsError, text(res))
+		}
+		res = call(t, cs, "run_python", map[string]any{"code": "print('y' * 10000)"})
+		if !strings.Contains(text(res), "truncated 8001 of 10001 bytes") {
+			t.Errorf("flood not truncated with a note: %.300q", text(res))
+		}
+		res = call(t, cs, "write_file", map[string]any{"path": "d/in.txt", "content": "from the model"})
+		if res.IsError {
+			t.Fatal(text(res))
+		}
+		if res := call(t, cs, "run_shell", map[string]any{"command": "cat d/in.txt"}); !strings.Contains(text(res), "from the model") {
+			t.Errorf("shell did not see the file: %q", text(res))
+		}
+		call(t, cs, "run_python", map[string]any{"code": "plt.plot([1]); plt.savefig('p.png')"})
+		if res := call(t, cs, "read_file", map[string]any{"path": "p.png"}); len(images(res)) != 1 {
+			t.Errorf("read_file of a PNG: %q", text(res))
+		}
+		if res := call(t, cs, "read_file", map[string]any{"path": "../../etc/passwd"}); !res.IsError {
+			t.Errorf("read outside the workspace: %q", text(res))
+		}
+		if res := call(t, cs, "run_python", map[string]any{"code": "1", "session": "bad name!"}); !res.IsError {
+			t.Errorf("bad session name accepted")
+		}
+		if res := call(t, cs, "run_python", map[string]any{"code": "x", "session": "other"}); !res.IsError || !strings.Contains(text(res), "NameError") {
+			t.Errorf("named session shares state with default: %q", text(res))
+		}
+	})
 }
 
 func TestTimeoutRestarts(t *testing.T) {
-	cs := connect(t, session.ModeSession)
-	call(t, cs, "run_python", map[string]any{"code": "kept = 1"})
-	res := call(t, cs, "run_python", map[string]any{"code": "while True: pass", "timeout_s": 1})
-	if !res.IsError || !strings.Contains(text(res), "KeyboardInterrupt") || !strings.Contains(text(res), "timed out") {
-		t.Errorf("interruptible loop: %q", text(res))
-	}
-	if res := call(t, cs, "run_python", map[string]any{"code": "kept"}); !strings.Contains(text(res), "Out: 1") {
-		t.Errorf("state lost after an interrupt: %q", text(res))
-	}
-	res = call(t, cs, "run_python", map[string]any{"code": "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass", "timeout_s": 1})
-	if !res.IsError || !strings.Contains(text(res), "restarted") {
-		t.Errorf("uninterruptible loop: %q", text(res))
-	}
-	if res := call(t, cs, "run_python", map[string]any{"code": "'kept' in dir()"}); !strings.Contains(text(res), "Out: False") || !strings.Contains(text(res), "new sandbox") {
-		t.Errorf("after restart: %q", text(res))
-	}
+	onBackends(t, func(t *testing.T, b sandbox.Backend) {
+		cs := connect(t, b, session.ModeSession)
+		call(t, cs, "run_python", map[string]any{"code": "kept = 1"})
+		res := call(t, cs, "run_python", map[string]any{"code": "while True: pass", "timeout_s": 1})
+		if !res.IsError || !strings.Contains(text(res), "KeyboardInterrupt") || !strings.Contains(text(res), "the call ran past its time limit of 1 s") {
+			t.Errorf("interruptible loop: %q", text(res))
+		}
+		if res := call(t, cs, "run_python", map[string]any{"code": "kept"}); !strings.Contains(text(res), "Out: 1") {
+			t.Errorf("state lost after an interrupt: %q", text(res))
+		}
+		res = call(t, cs, "run_python", map[string]any{"code": "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass", "timeout_s": 1})
+		if !res.IsError || !strings.Contains(text(res), "restarted") {
+			t.Errorf("uninterruptible loop: %q", text(res))
+		}
+		if res := call(t, cs, "run_python", map[string]any{"code": "'kept' in dir()"}); !strings.Contains(text(res), "Out: False") || !strings.Contains(text(res), "new sandbox") {
+			t.Errorf("after restart: %q", text(res))
+		}
+	})
 }
 
 func TestPerCallMode(t *testing.T) {
-	cs := connect(t, session.ModePerCall)
-	list, err := cs.ListTools(context.Background(), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(list.Tools) != 2 {
-		t.Errorf("per-call mode offers %d tools, want run_python and run_shell", len(list.Tools))
-	}
-	res := call(t, cs, "run_python", map[string]any{
-		"code":  "import os\nsecret = 1\nopen('out.txt', 'w').write(open('in.txt').read().upper())",
-		"files": map[string]any{"in.txt": "hello"},
+	onBackends(t, func(t *testing.T, b sandbox.Backend) {
+		cs := connect(t, b, session.ModePerCall)
+		list, err := cs.ListTools(context.Background(), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(list.Tools) != 2 {
+			t.Errorf("per-call mode offers %d tools, want run_python and run_shell", len(list.Tools))
+		}
+		res := call(t, cs, "run_python", map[string]any{
+			"code":  "import os\nsecret = 1\nopen('out.txt', 'w').write(open('in.txt').read().upper())",
+			"files": map[string]any{"in.txt": "hello"},
+		})
+		if res.IsError || !strings.Contains(text(res), "file out.txt (5 bytes):\nHELLO") {
+			t.Errorf("per-call files: %q", text(res))
+		}
+		if res := call(t, cs, "run_python", map[string]any{"code": "import os\nprint(os.listdir('.'), 'secret' in dir())"}); !strings.Contains(text(res), "[] False") {
+			t.Errorf("state leaked between per-call runs: %q", text(res))
+		}
 	})
-	if res.IsError || !strings.Contains(text(res), "file out.txt (5 bytes):\nHELLO") {
-		t.Errorf("per-call files: %q", text(res))
-	}
-	if res := call(t, cs, "run_python", map[string]any{"code": "import os\nprint(os.listdir('.'), 'secret' in dir())"}); !strings.Contains(text(res), "[] False") {
-		t.Errorf("state leaked between per-call runs: %q", text(res))
-	}
 }
-
-var _ = sandbox.DefaultLimits

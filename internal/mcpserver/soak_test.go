@@ -47,7 +47,8 @@ func TestSoak(t *testing.T) {
 	before := snapshot()
 	mgr := session.NewManager(session.Options{
 		Backend: b, DefaultTimeout: 30 * time.Second, Grace: time.Second,
-		MaxSessions: 2 * clients, PoolSize: 2, PoolWorkers: 2, MaxOutput: 2000,
+		MaxSessions: 2 * clients, MaxSessionsPerPrincipal: 2 * clients, MaxBoxes: 2*clients + 2,
+		PoolSize: 2, PoolWorkers: 2, MaxOutput: 2000,
 	})
 	srv := mcpserver.New(mcpserver.Options{Manager: mgr, Backend: "jail"})
 
@@ -65,22 +66,11 @@ func TestSoak(t *testing.T) {
 	start := time.Now()
 	var wg sync.WaitGroup
 	for c := range clients {
+		cs := dial(t, srv)
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			ct, st := mcp.NewInMemoryTransports()
-			ss, err := srv.MCP().Connect(context.Background(), st, nil)
-			if err != nil {
-				t.Error(err)
-				return
-			}
-			defer ss.Close()
-			cs, err := mcp.NewClient(&mcp.Implementation{Name: "soak", Version: "1"}, nil).Connect(context.Background(), ct, nil)
-			if err != nil {
-				t.Error(err)
-				return
-			}
-			defer cs.Close()
+			defer cs.Close() // before the leak check, not at the test's end
 			name := fmt.Sprintf("soak-%d", c)
 			for {
 				mu.Lock()

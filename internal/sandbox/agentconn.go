@@ -5,30 +5,100 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
+	"runtime/debug"
 	"sync"
 	"time"
 
 	"kiln/internal/agentproto"
 )
 
+// Errors of a box that broke its agent's protocol. Either way the box is
+// destroyed: what comes out of a box is hostile input, and a box whose
+// agent misbehaves once cannot be trusted with the next call.
+var (
+	// ErrBroken is a frame from the box that failed validation (a cut
+	// outside its text, a response to no pending request, a frame that is
+	// not JSON, …), or a fault of kiln while handling one.
+	ErrBroken = errors.New("sandbox: the box broke the agent protocol and was destroyed")
+	// ErrUnresponsive is an agent that did not answer a request within
+	// its deadline (a stopped agent, a stream nobody reads).
+	ErrUnresponsive = errors.New("sandbox: the agent stopped answering and the box was destroyed")
+)
+
+// maxHello bounds the agent's first frame: a version, a few module names,
+// or why it could not start.
+const maxHello = 1 << 20
+
+// DefaultRequestTimeout bounds every request but exec (whose time limit the
+// session enforces): file operations, listings, interrupts. An honest
+// agent listing a 600-deep tree on a loaded host took 20 s; a stopped one
+// never answers.
+const DefaultRequestTimeout = 2 * time.Minute
+
+// AgentConnOptions tune an AgentConn; nil means defaults.
+type AgentConnOptions struct {
+	// RequestTimeout is the server-side deadline of every request but
+	// exec. When it passes, the call fails and the box is destroyed.
+	RequestTimeout time.Duration
+	Logger         *slog.Logger
+}
+
 // AgentConn is the host-side client of kiln-agent's protocol. Backends that
 // host the agent wrap their byte stream in one and get the whole Sandbox
 // interface; they supply only how to destroy the box.
+//
+// Every frame from the box is validated before anyone uses it (Hello.Check,
+// Response.Check): a frame that fails is a fault of the box, which fails
+// the calls in flight with ErrBroken and destroys the box. So does a panic
+// while handling a frame.
 type AgentConn struct {
 	id      string
 	stream  io.ReadWriteCloser
 	destroy func() error
 	hello   agentproto.Hello
+	timeout time.Duration
+	log     *slog.Logger
 
-	wmu     sync.Mutex // serializes frames on the stream
+	wsem    chan struct{} // serializes frames on the stream; a waiter can give up
 	mu      sync.Mutex
 	nextID  uint64
-	pending map[uint64]chan *agentproto.Response
+	pending map[uint64]*pendingCall // nil once the stream is done
 	done    chan struct{}
-	readErr error
+	deadErr error // why the stream is done: ErrDied or a fault
 
 	closeOnce sync.Once
 	closeErr  error
+}
+
+// pendingCall is a request waiting for its answer. ch is nil once its
+// caller gave up: a late answer is then accepted and dropped. live gets
+// the Output frames of an exec request that asked for them.
+type pendingCall struct {
+	req  agentproto.Request
+	ch   chan *agentproto.Response
+	live OutputFunc
+}
+
+// OutputFunc receives the newest output of a running RunPython or RunShell
+// call, as the agent reports it: at most one report per
+// agentproto.LiveInterval, its tail within agentproto.MaxLiveTail, all of
+// it validated. It is called on the connection's reader and must not
+// block: keep the newest report and return.
+type OutputFunc func(agentproto.Output)
+
+type outputKey struct{}
+
+// WithOutput returns a context under which RunPython and RunShell ask the
+// agent for the live output of the call and pass it to f. A context on
+// which it was not called asks for none, which is the default.
+func WithOutput(ctx context.Context, f OutputFunc) context.Context {
+	return context.WithValue(ctx, outputKey{}, f)
+}
+
+func outputOf(ctx context.Context) OutputFunc {
+	f, _ := ctx.Value(outputKey{}).(OutputFunc)
+	return f
 }
 
 var _ Sandbox = (*AgentConn)(nil)
@@ -37,22 +107,54 @@ var _ Sandbox = (*AgentConn)(nil)
 // destroy tears the box down; it is called once, by Close, after the stream
 // is closed. If ctx ends before the hello, the box is destroyed.
 func NewAgentConn(ctx context.Context, id string, stream io.ReadWriteCloser, destroy func() error) (*AgentConn, error) {
+	return DialAgent(ctx, id, stream, destroy, nil)
+}
+
+// DialAgent is NewAgentConn with options.
+func DialAgent(ctx context.Context, id string, stream io.ReadWriteCloser, destroy func() error, opts *AgentConnOptions) (*AgentConn, error) {
+	var o AgentConnOptions
+	if opts != nil {
+		o = *opts
+	}
+	if o.RequestTimeout <= 0 {
+		o.RequestTimeout = DefaultRequestTimeout
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
 	c := &AgentConn{
 		id:      id,
 		stream:  stream,
 		destroy: destroy,
-		pending: make(map[uint64]chan *agentproto.Response),
+		timeout: o.RequestTimeout,
+		log:     o.Logger.With("box", id),
+		pending: make(map[uint64]*pendingCall),
 		done:    make(chan struct{}),
+		wsem:    make(chan struct{}, 1),
 	}
 	helloc := make(chan error, 1)
-	go func() { helloc <- agentproto.ReadFrame(stream, &c.hello) }()
-	select {
-	case err := <-helloc:
+	go func() {
+		defer func() {
+			if v := recover(); v != nil {
+				helloc <- c.panicked(v)
+			}
+		}()
+		err := agentproto.ReadFrameMax(stream, &c.hello, func() int { return maxHello })
+		if err == nil {
+			err = c.hello.Check()
+		}
 		if err == nil && c.hello.Error != "" {
 			err = errors.New(c.hello.Error)
 		}
+		helloc <- err
+	}()
+	select {
+	case err := <-helloc:
 		if err != nil {
 			c.Close()
+			if agentproto.IsFault(err) {
+				err = fmt.Errorf("%w: %w", ErrBroken, err)
+			}
 			return nil, fmt.Errorf("waiting for agent: %w", err)
 		}
 	case <-ctx.Done():
@@ -71,45 +173,180 @@ func (c *AgentConn) ID() string { return c.id }
 
 func (c *AgentConn) Done() <-chan struct{} { return c.done }
 
+// Err says why the connection is done once Done is closed (ErrDied, or a
+// fault wrapping ErrBroken or ErrUnresponsive); nil before.
+func (c *AgentConn) Err() error {
+	select {
+	case <-c.done:
+		return c.err()
+	default:
+		return nil
+	}
+}
+
+// panicked turns a panic while handling the box's frames into a fault.
+func (c *AgentConn) panicked(v any) error {
+	c.log.Error("panic handling a frame from the box", "panic", v, "stack", string(debug.Stack()))
+	return fmt.Errorf("%w: kiln faulted handling its frame: %v", ErrBroken, v)
+}
+
 func (c *AgentConn) readLoop() {
 	var err error
+	defer func() {
+		if v := recover(); v != nil {
+			err = c.panicked(v)
+		}
+		c.fail(err)
+	}()
 	for {
 		resp := new(agentproto.Response)
-		if err = agentproto.ReadFrame(c.stream, resp); err != nil {
-			break
+		if err = agentproto.ReadFrameMax(c.stream, resp, c.answerMax); err != nil {
+			if agentproto.IsFault(err) {
+				err = fmt.Errorf("%w: %w", ErrBroken, err)
+			} else {
+				err = ErrDied
+			}
+			return
+		}
+		if resp.Output != nil {
+			if err = c.output(resp); err != nil {
+				return
+			}
+			continue
 		}
 		c.mu.Lock()
-		ch := c.pending[resp.ID]
+		p, ok := c.pending[resp.ID]
 		delete(c.pending, resp.ID)
+		var ch chan *agentproto.Response
+		if ok {
+			ch = p.ch
+		}
 		c.mu.Unlock()
+		if !ok {
+			err = fmt.Errorf("%w: a response to request %d, which is not pending", ErrBroken, resp.ID)
+			return
+		}
+		if err = resp.Check(&p.req); err != nil {
+			err = fmt.Errorf("%w: %w", ErrBroken, err)
+			return
+		}
 		if ch != nil {
 			ch <- resp
 		}
 	}
-	c.mu.Lock()
-	c.readErr = err
-	c.pending = nil
-	c.mu.Unlock()
-	close(c.done)
 }
 
-// call sends req and waits for its response, the box's death or ctx.
-func (c *AgentConn) call(ctx context.Context, req agentproto.Request) (*agentproto.Response, error) {
+// output hands a progress frame to its running call, which stays pending.
+// One for no pending request, or one that fails validation, is a fault.
+func (c *AgentConn) output(resp *agentproto.Response) error {
+	c.mu.Lock()
+	p, ok := c.pending[resp.ID]
+	var live OutputFunc
+	if ok && p.ch != nil {
+		live = p.live
+	}
+	c.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("%w: output of request %d, which is not pending", ErrBroken, resp.ID)
+	}
+	if err := resp.Check(&p.req); err != nil {
+		return fmt.Errorf("%w: %w", ErrBroken, err)
+	}
+	if live != nil {
+		live(*resp.Output)
+	}
+	return nil
+}
+
+// answerMax is the longest frame that can answer a request in flight
+// (or one given up on): a box that sends more is refused before its frame
+// is buffered.
+func (c *AgentConn) answerMax() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n := 0
+	for _, p := range c.pending {
+		n = max(n, p.req.MaxAnswer())
+	}
+	return n
+}
+
+// fail ends the connection for err: calls in flight and later ones get
+// it, and the box is destroyed. The first reason wins.
+func (c *AgentConn) fail(err error) {
+	c.mu.Lock()
+	first := c.pending != nil
+	if first {
+		c.pending = nil
+		c.deadErr = err
+		close(c.done)
+	}
+	c.mu.Unlock()
+	if first && !errors.Is(err, ErrDied) && !errors.Is(err, ErrClosed) {
+		c.log.Warn("destroying a box that broke the agent protocol", "err", err)
+	}
+	c.Close()
+}
+
+// err is why the connection is done.
+func (c *AgentConn) err() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.deadErr == nil {
+		return ErrDied
+	}
+	return c.deadErr
+}
+
+// call sends req and waits for its response, the box's death, ctx, or —
+// for every operation but exec — the request deadline, after which the box
+// is destroyed.
+func (c *AgentConn) call(ctx context.Context, req agentproto.Request) (resp *agentproto.Response, err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err = c.panicked(v)
+			c.fail(err)
+		}
+	}()
 	ch := make(chan *agentproto.Response, 1)
 	c.mu.Lock()
 	if c.pending == nil {
 		c.mu.Unlock()
-		return nil, ErrDied
+		return nil, c.err()
 	}
 	c.nextID++
 	req.ID = c.nextID
-	c.pending[req.ID] = ch
+	p := &pendingCall{req: req, ch: ch}
+	if req.Live {
+		p.live = outputOf(ctx)
+	}
+	c.pending[req.ID] = p
 	c.mu.Unlock()
 
-	c.wmu.Lock()
-	err := agentproto.WriteFrame(c.stream, &req)
-	c.wmu.Unlock()
+	if req.Op != agentproto.OpPython && req.Op != agentproto.OpShell {
+		// The deadline also covers the write: an agent that stopped
+		// reading blocks it, and destroying the box unblocks it.
+		t := time.AfterFunc(c.timeout, func() {
+			c.fail(fmt.Errorf("%w: no answer to a %s request within %s", ErrUnresponsive, req.Op, c.timeout))
+		})
+		defer t.Stop()
+	}
+	select {
+	case c.wsem <- struct{}{}:
+	case <-c.done:
+		return nil, c.err()
+	case <-ctx.Done():
+		c.forget(req.ID)
+		return nil, ctx.Err()
+	}
+	err = agentproto.WriteFrame(c.stream, &req)
+	<-c.wsem
 	if err != nil {
+		select {
+		case <-c.done:
+			return nil, c.err()
+		default:
+		}
 		c.forget(req.ID)
 		return nil, fmt.Errorf("sending %s request: %w", req.Op, err)
 	}
@@ -120,17 +357,18 @@ func (c *AgentConn) call(ctx context.Context, req agentproto.Request) (*agentpro
 		}
 		return resp, nil
 	case <-c.done:
-		return nil, ErrDied
+		return nil, c.err()
 	case <-ctx.Done():
 		c.forget(req.ID)
 		return nil, ctx.Err()
 	}
 }
 
+// forget gives up on a request; its answer, if it comes, is dropped.
 func (c *AgentConn) forget(id uint64) {
 	c.mu.Lock()
-	if c.pending != nil {
-		delete(c.pending, id)
+	if p := c.pending[id]; p != nil {
+		p.ch = nil
 	}
 	c.mu.Unlock()
 }
@@ -153,7 +391,7 @@ func (c *AgentConn) RunShell(ctx context.Context, command string, opts ExecOptio
 }
 
 func (c *AgentConn) exec(ctx context.Context, op, code string, opts ExecOptions) (*agentproto.ExecResult, error) {
-	resp, err := c.call(ctx, agentproto.Request{Op: op, Code: code, MaxOutput: opts.MaxOutput})
+	resp, err := c.call(ctx, agentproto.Request{Op: op, Code: code, MaxOutput: opts.MaxOutput, Live: outputOf(ctx) != nil})
 	if err != nil {
 		return nil, err
 	}

@@ -12,6 +12,9 @@ package sandbox
 import (
 	"context"
 	"errors"
+	"fmt"
+	"io"
+	"strings"
 	"time"
 
 	"kiln/internal/agentproto"
@@ -24,18 +27,36 @@ var (
 	ErrDied        = errors.New("sandbox: the box died")
 )
 
-// Backend creates boxes.
+// Backend creates boxes. Close releases what the backend holds (templates,
+// zygotes, cgroups, state directories) and, where the backend tracks them,
+// destroys its live boxes; servers call it last, after closing every box. A
+// backend with nothing of its own returns nil.
+//
+// What a backend can do beyond this is a named interface below, found by a
+// type assertion; each backend asserts at compile time which ones it
+// satisfies.
 type Backend interface {
 	// Name is the --backend value that selects it ("jail", "gvisor", …).
 	Name() string
 	// Create starts a box and returns once its agent is ready for calls.
 	Create(ctx context.Context, spec Spec) (Sandbox, error)
+	io.Closer
 }
 
 // Checker is implemented by backends that can tell whether they work on this
-// host (kiln doctor).
+// host (kiln doctor). Check proves a box runs: it starts one, runs a trivial
+// call in it (see Probe) and destroys it; checking files and binaries alone
+// is not enough.
 type Checker interface {
 	Check(ctx context.Context) error
+}
+
+// Warmer is implemented by backends that build something ahead of demand
+// (a template box, a snapshot) so that the first Create does not pay for
+// it. Servers call Warm at start with the spec of the boxes they will ask
+// for; Create builds it lazily otherwise.
+type Warmer interface {
+	Warm(ctx context.Context, spec Spec) error
 }
 
 // Describer is implemented by backends that can describe the runtime inside
@@ -44,10 +65,50 @@ type Describer interface {
 	Runtime() Runtime
 }
 
+// OOMReporter is implemented by boxes that can tell whether their memory
+// limit killed something in them.
+type OOMReporter interface {
+	OOMKilled() bool
+}
+
+// LimitReporter is implemented by boxes whose host counts how often their
+// limits stopped something in them (cgroup memory and pids events). The
+// session layer compares the counts before and after a call to name the
+// limit a call hit; OOMReporter alone cannot tell which call it was.
+type LimitReporter interface {
+	LimitHits() LimitHits
+}
+
+// LimitHits counts what a box's limits stopped since the box started. A
+// count the host cannot see is -1.
+type LimitHits struct {
+	OOMKills    int64 // processes killed for going over the memory limit
+	PidsRefused int64 // forks and clones refused at the pids limit
+}
+
 // RefusalReporter is implemented by boxes behind an egress policy: the
 // connections it refused since the last call, in words for the model.
 type RefusalReporter interface {
 	NetworkRefusals() []string
+}
+
+// Noter is implemented by backends that work here with caveats (software
+// emulation, no cgroups): notes for kiln doctor and the logs.
+type Noter interface {
+	Notes() []string
+}
+
+// Probe proves that box runs code: a trivial shell call must print "ok".
+// Checkers call it on the box they start.
+func Probe(ctx context.Context, box Sandbox) error {
+	res, err := box.RunShell(ctx, "echo ok", ExecOptions{MaxOutput: 1024})
+	if err != nil {
+		return fmt.Errorf("running a command in a box: %w", err)
+	}
+	if strings.TrimSpace(res.Stdout.Text) != "ok" {
+		return fmt.Errorf("running a command in a box: got %q (exit %d, stderr %q)", res.Stdout.Text, res.ExitCode, res.Stderr.Text)
+	}
+	return nil
 }
 
 // Runtime is what code inside a box can use.
@@ -139,5 +200,5 @@ type Sandbox interface {
 
 // ExecOptions tune one call.
 type ExecOptions struct {
-	MaxOutput int // bytes kept per stream (head and tail)
+	MaxOutput int // bytes kept per stream (head and tail); 0: agentproto.DefaultMaxOutput
 }

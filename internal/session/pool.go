@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"log/slog"
 	"sync"
 	"time"
@@ -20,6 +21,7 @@ type Pool struct {
 	spec    sandbox.Spec
 	size    int
 	log     *slog.Logger
+	slots   *slots // the cap on live boxes the pool's boxes count against
 
 	ready    chan sandbox.Sandbox
 	kick     chan struct{}
@@ -41,6 +43,12 @@ type PoolOptions struct {
 // NewPool starts filling a pool of boxes made from spec (its ID is
 // replaced per box).
 func NewPool(b sandbox.Backend, spec sandbox.Spec, opts PoolOptions) *Pool {
+	return newPool(b, spec, opts, newSlots(0))
+}
+
+// newPool makes a pool whose boxes, and the boxes it makes for calls, each
+// hold one of slots until they are destroyed.
+func newPool(b sandbox.Backend, spec sandbox.Spec, opts PoolOptions, sl *slots) *Pool {
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -49,7 +57,7 @@ func NewPool(b sandbox.Backend, spec sandbox.Spec, opts PoolOptions) *Pool {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &Pool{
-		backend: b, spec: spec, size: opts.Size, log: opts.Logger,
+		backend: b, spec: spec, size: opts.Size, log: opts.Logger, slots: sl,
 		ready: make(chan sandbox.Sandbox, max(opts.Size, 1)),
 		kick:  make(chan struct{}, 1),
 		ctx:   ctx, cancel: cancel,
@@ -69,10 +77,17 @@ func newID() string {
 	return hex.EncodeToString(b[:])
 }
 
+// create makes a box with a slot its caller holds: the box keeps the slot
+// until it is destroyed, or the slot goes back now if creation fails.
 func (p *Pool) create(ctx context.Context) (sandbox.Sandbox, error) {
 	spec := p.spec
 	spec.ID = newID()
-	return p.backend.Create(ctx, spec)
+	box, err := p.backend.Create(ctx, spec)
+	if err != nil {
+		p.slots.release()
+		return nil, err
+	}
+	return &countedBox{Sandbox: box, release: p.slots.release}, nil
 }
 
 func (p *Pool) fill() {
@@ -80,12 +95,14 @@ func (p *Pool) fill() {
 	backoff := 100 * time.Millisecond
 	for p.ctx.Err() == nil {
 		if !p.reserve() {
-			select {
-			case <-p.kick:
-			case <-time.After(time.Second):
-			case <-p.ctx.Done():
-				return
-			}
+			p.idle()
+			continue
+		}
+		// The pool yields: it takes a slot only when one is free and no
+		// call is waiting for it.
+		if !p.slots.tryIdle() {
+			p.release()
+			p.idle()
 			continue
 		}
 		box, err := p.create(p.ctx)
@@ -109,6 +126,16 @@ func (p *Pool) fill() {
 	}
 }
 
+// idle waits until the pool may have room, or a box slot came free.
+func (p *Pool) idle() {
+	select {
+	case <-p.kick:
+	case <-p.slots.freed:
+	case <-time.After(time.Second):
+	case <-p.ctx.Done():
+	}
+}
+
 // reserve claims a slot for one more box if ready + in-flight < size.
 func (p *Pool) reserve() bool {
 	p.mu.Lock()
@@ -126,15 +153,56 @@ func (p *Pool) release() {
 	p.mu.Unlock()
 }
 
+// errNoSlot means no box came free within the wait.
+var errNoSlot = errors.New("no sandbox slot came free")
+
 // Get returns a fresh box: a pooled one if one is ready and alive, else
 // whichever comes first of a box made now for this call and the next box
 // the refill finishes. A call never waits longer than creating its box
 // directly would take; the box that loses the race joins the pool (or is
 // destroyed if the pool is full).
-func (p *Pool) Get(ctx context.Context) (sandbox.Sandbox, error) {
+func (p *Pool) Get(ctx context.Context) (sandbox.Sandbox, error) { return p.get(ctx, 0) }
+
+// get is Get under the cap on live boxes: when every slot is taken it
+// waits, at most wait (0: as long as ctx lasts), for a slot or a pooled box,
+// whichever comes first, then fails with errNoSlot.
+func (p *Pool) get(ctx context.Context, wait time.Duration) (sandbox.Sandbox, error) {
 	if box := p.take(); box != nil {
 		return box, nil
 	}
+	w := p.slots.wait()
+	var expired <-chan time.Time
+	if wait > 0 {
+		t := time.NewTimer(wait)
+		defer t.Stop()
+		expired = t.C
+	}
+	var ready chan sandbox.Sandbox
+	if p.size > 0 {
+		ready = p.ready
+	}
+waiting:
+	for {
+		select {
+		case <-w.ready:
+			break waiting
+		case box := <-ready:
+			p.kickRefill()
+			if !alive(box) {
+				box.Close()
+				continue
+			}
+			p.slots.cancel(w)
+			return box, nil
+		case <-expired:
+			p.slots.cancel(w)
+			return nil, errNoSlot
+		case <-ctx.Done():
+			p.slots.cancel(w)
+			return nil, ctx.Err()
+		}
+	}
+	// This call holds a slot now; the box made with it keeps it.
 	if p.size == 0 {
 		return p.create(ctx)
 	}
@@ -166,11 +234,9 @@ func (p *Pool) Get(ctx context.Context) (sandbox.Sandbox, error) {
 			return m.box, m.err
 		case box := <-p.ready:
 			p.kickRefill()
-			select {
-			case <-box.Done():
+			if !alive(box) {
 				box.Close()
 				continue
-			default:
 			}
 			adopt()
 			return box, nil
@@ -178,6 +244,15 @@ func (p *Pool) Get(ctx context.Context) (sandbox.Sandbox, error) {
 			adopt()
 			return nil, ctx.Err()
 		}
+	}
+}
+
+func alive(box sandbox.Sandbox) bool {
+	select {
+	case <-box.Done():
+		return false
+	default:
+		return true
 	}
 }
 

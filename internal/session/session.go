@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"log/slog"
 	"regexp"
+	"runtime/debug"
 	"sort"
 	"sync"
 	"time"
@@ -36,24 +37,44 @@ type Options struct {
 	DefaultTimeout, MaxTimeout time.Duration
 	// Grace is how long an interrupted call may take to stop before its
 	// sandbox is destroyed.
-	Grace       time.Duration
-	IdleTTL     time.Duration
-	MaxSessions int // live sessions across all principals
+	Grace   time.Duration
+	IdleTTL time.Duration
+	// MaxSessions caps live sessions across all principals
+	// (DefaultMaxSessions); MaxSessionsPerPrincipal caps those of one
+	// principal (DefaultMaxSessionsPerPrincipal), so one client cannot take
+	// every session.
+	MaxSessions, MaxSessionsPerPrincipal int
+	// MaxBoxes caps live boxes: sessions' boxes, per-call boxes and the
+	// pool's, each counted until it is destroyed (default: DefaultMaxBoxes).
+	// A call that finds every box taken waits up to BoxWait
+	// (DefaultBoxWait) for one, then gets ErrBusy.
+	MaxBoxes    int
+	BoxWait     time.Duration
 	MaxOutput   int // bytes kept per stream
 	PoolSize    int
 	PoolWorkers int
 	Logger      *slog.Logger
 }
 
+// Defaults of Options; kiln's flags default to them too.
+const (
+	DefaultTimeout                 = 30 * time.Second
+	DefaultMaxTimeout              = 5 * time.Minute
+	DefaultIdleTTL                 = 30 * time.Minute
+	DefaultMaxSessions             = 32
+	DefaultMaxSessionsPerPrincipal = 8
+	DefaultBoxWait                 = 15 * time.Second
+)
+
 func (o *Options) defaults() {
 	if o.Mode == "" {
 		o.Mode = ModeSession
 	}
 	if o.DefaultTimeout == 0 {
-		o.DefaultTimeout = 30 * time.Second
+		o.DefaultTimeout = DefaultTimeout
 	}
 	if o.MaxTimeout == 0 {
-		o.MaxTimeout = 300 * time.Second
+		o.MaxTimeout = DefaultMaxTimeout
 	}
 	if o.DefaultTimeout > o.MaxTimeout {
 		o.DefaultTimeout = o.MaxTimeout
@@ -62,27 +83,72 @@ func (o *Options) defaults() {
 		o.Grace = 2 * time.Second
 	}
 	if o.IdleTTL == 0 {
-		o.IdleTTL = 30 * time.Minute
+		o.IdleTTL = DefaultIdleTTL
 	}
 	if o.MaxSessions == 0 {
-		o.MaxSessions = 32
+		o.MaxSessions = DefaultMaxSessions
+	}
+	if o.MaxSessionsPerPrincipal == 0 {
+		o.MaxSessionsPerPrincipal = min(DefaultMaxSessionsPerPrincipal, o.MaxSessions)
+	}
+	if o.BoxWait == 0 {
+		o.BoxWait = DefaultBoxWait
 	}
 	if o.MaxOutput == 0 {
-		o.MaxOutput = 20000
+		o.MaxOutput = agentproto.DefaultMaxOutput
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
 	}
 	o.Limits = o.Limits.WithDefaults()
+	if o.MaxBoxes == 0 {
+		o.MaxBoxes = DefaultMaxBoxes(o.Limits)
+	}
 }
 
 // Errors a client can act on.
 var (
 	ErrBadName     = errors.New("session names are 1-64 letters, digits, '.', '_' or '-'")
 	ErrTooMany     = errors.New("too many live sessions; reset_session one you no longer need")
+	ErrBusy        = errors.New("kiln is at its limit of live sandboxes; retry in a little while")
 	ErrPerCallMode = errors.New("this server runs in per-call mode: nothing persists between calls")
 	ErrShutdown    = errors.New("kiln is shutting down")
 )
+
+// QuotaError is a refused new session: which limit was reached, and the
+// flag that sets it. It matches ErrTooMany.
+type QuotaError struct {
+	Limit     int
+	Principal bool   // the principal's own quota, not the server's
+	Flag      string // the kiln flag that sets the limit
+}
+
+func (e *QuotaError) Error() string {
+	if e.Principal {
+		return fmt.Sprintf("you already have %d live sessions, the most one client may hold (--%s); reset_session one you no longer need, or continue in an existing one", e.Limit, e.Flag)
+	}
+	return fmt.Sprintf("kiln already holds %d live sessions, the most it allows across all clients (--%s); reset_session one you no longer need, or retry later", e.Limit, e.Flag)
+}
+
+func (e *QuotaError) Is(target error) bool { return target == ErrTooMany }
+
+// BusyError is a call that found every sandbox kiln may run in use and
+// none came free in time. It matches ErrBusy.
+type BusyError struct {
+	Max  int
+	Wait time.Duration
+	Mode Mode
+}
+
+func (e *BusyError) Error() string {
+	msg := fmt.Sprintf("kiln is busy: it is at its limit of %d live sandboxes (--max-boxes) and none came free within %s. Nothing ran; retry the call in a little while", e.Max, e.Wait.Round(time.Millisecond))
+	if e.Mode == ModeSession {
+		msg += ", or reset_session a session you no longer need"
+	}
+	return msg + "."
+}
+
+func (e *BusyError) Is(target error) bool { return target == ErrBusy }
 
 var nameRE = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,64}$`)
 
@@ -93,12 +159,14 @@ type key struct{ principal, name string }
 
 // Manager holds the sessions of every principal.
 type Manager struct {
-	opts Options
-	log  *slog.Logger
-	pool *Pool
+	opts  Options
+	log   *slog.Logger
+	pool  *Pool
+	slots *slots // the cap on live boxes
 
 	mu       sync.Mutex
 	sessions map[key]*Session
+	calls    map[sandbox.Sandbox]struct{} // per-call boxes in use
 	closed   bool
 	stop     chan struct{}
 	wg       sync.WaitGroup
@@ -113,10 +181,13 @@ func NewManager(opts Options) *Manager {
 		opts:     opts,
 		log:      opts.Logger,
 		sessions: make(map[key]*Session),
+		calls:    make(map[sandbox.Sandbox]struct{}),
 		stop:     make(chan struct{}),
 	}
 	spec := sandbox.Spec{Limits: opts.Limits, Preload: opts.Preload}
-	m.pool = NewPool(opts.Backend, spec, PoolOptions{Size: opts.PoolSize, Concurrency: opts.PoolWorkers, Logger: opts.Logger})
+	m.slots = newSlots(opts.MaxBoxes)
+	m.pool = newPool(opts.Backend, spec, PoolOptions{Size: opts.PoolSize, Concurrency: opts.PoolWorkers, Logger: opts.Logger}, m.slots)
+	m.warnOvercommit()
 	m.wg.Add(1)
 	go m.reap()
 	return m
@@ -178,14 +249,39 @@ func (m *Manager) Get(principal, name string) (*Session, error) {
 		return s, nil
 	}
 	if len(m.sessions) >= m.opts.MaxSessions {
-		return nil, ErrTooMany
+		return nil, &QuotaError{Limit: m.opts.MaxSessions, Flag: "max-sessions"}
 	}
-	s := &Session{m: m, principal: principal, name: name, lastUsed: time.Now()}
+	owned := 0
+	for k := range m.sessions {
+		if k.principal == principal {
+			owned++
+		}
+	}
+	if owned >= m.opts.MaxSessionsPerPrincipal {
+		return nil, &QuotaError{Limit: m.opts.MaxSessionsPerPrincipal, Principal: true, Flag: "max-sessions-per-principal"}
+	}
+	s := newSession(m, principal, name)
 	m.sessions[k] = s
 	return s, nil
 }
 
-// Reset destroys the principal's session called name, if it exists.
+// LiveBoxes is the number of boxes that exist right now: in sessions, in
+// per-call calls, in the pool, or still being destroyed.
+func (m *Manager) LiveBoxes() int { return m.slots.inUse() }
+
+// getBox takes a fresh box under the cap on live boxes.
+func (m *Manager) getBox(ctx context.Context) (sandbox.Sandbox, error) {
+	box, err := m.pool.get(ctx, m.opts.BoxWait)
+	if errors.Is(err, errNoSlot) {
+		m.log.Warn("refused a call: every sandbox is in use", "max_boxes", m.opts.MaxBoxes, "waited", m.opts.BoxWait)
+		return nil, &BusyError{Max: m.opts.MaxBoxes, Wait: m.opts.BoxWait, Mode: m.opts.Mode}
+	}
+	return box, err
+}
+
+// Reset destroys the principal's session called name, if it exists. It
+// never waits for a call running in the session: that call is cut off and
+// its box destroyed.
 func (m *Manager) Reset(principal, name string) bool {
 	m.mu.Lock()
 	s, ok := m.sessions[key{principal, name}]
@@ -221,6 +317,13 @@ func (m *Manager) Close() {
 	m.closed = true
 	all := m.sessions
 	m.sessions = map[key]*Session{}
+	// Per-call boxes still in use are destroyed under their calls, which
+	// then fail: a call stuck on a box that stopped answering must not
+	// keep it alive.
+	for box := range m.calls {
+		m.destroying.Add(1)
+		go func() { defer m.destroying.Done(); box.Close() }()
+	}
 	m.mu.Unlock()
 	close(m.stop)
 	m.wg.Wait()
@@ -256,55 +359,143 @@ type Session struct {
 	principal string
 	name      string
 
-	mu       sync.Mutex // serializes calls
+	// turn serializes calls (a one-token channel, so a waiting call can
+	// give up when its client leaves or the session is reset).
+	turn chan struct{}
+	// closing is closed by close: calls waiting for their turn give up,
+	// and the running one is cut off by destroying its box.
+	closing chan struct{}
+
+	mu       sync.Mutex // guards box, closed, lastUsed, lost, hits; never held across a call
 	box      sandbox.Sandbox
 	lastUsed time.Time
-	busy     bool
 	closed   bool
+	// lost says why kiln destroyed the box after the last call, for the
+	// next one ("" if it did not).
+	lost string
+	// hits are the box's limit counters after its last call, to tell what
+	// killed it between calls (nil: not counted).
+	hits *sandbox.LimitHits
+}
+
+func newSession(m *Manager, principal, name string) *Session {
+	s := &Session{m: m, principal: principal, name: name, lastUsed: time.Now(),
+		turn: make(chan struct{}, 1), closing: make(chan struct{})}
+	s.turn <- struct{}{}
+	return s
 }
 
 // Name is the session's name, as the model passes it back.
 func (s *Session) Name() string { return s.name }
 
+// ErrReset is a call cut off, or refused, because its session was reset.
+var ErrReset = errors.New("the session was reset while this call waited or ran; call again to start a fresh sandbox")
+
+// acquire waits for the session's turn, the client leaving, or a reset.
+func (s *Session) acquire(ctx context.Context) error {
+	select {
+	case <-s.turn:
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-s.closing:
+		return ErrReset
+	}
+	if s.isClosed() {
+		s.release()
+		return ErrReset
+	}
+	return nil
+}
+
+func (s *Session) release() {
+	s.mu.Lock()
+	s.lastUsed = time.Now()
+	s.mu.Unlock()
+	s.turn <- struct{}{}
+}
+
+func (s *Session) isClosed() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.closed
+}
+
 func (s *Session) idleSince(ttl time.Duration) bool {
-	if !s.mu.TryLock() {
+	select {
+	case <-s.turn:
+	default:
 		return false // a call is running
 	}
+	defer func() { s.turn <- struct{}{} }()
+	s.mu.Lock()
 	defer s.mu.Unlock()
 	return time.Since(s.lastUsed) > ttl
 }
 
+// close destroys the session's box without waiting for its turn: a call
+// stuck on a box that no longer answers must not keep the box alive. The
+// box's Close kills it without a word to its agent; the stuck call then
+// fails.
 func (s *Session) close() {
 	s.mu.Lock()
-	defer s.mu.Unlock()
+	if s.closed {
+		s.mu.Unlock()
+		return
+	}
 	s.closed = true
-	if s.box != nil {
-		s.box.Close()
-		s.box = nil
+	close(s.closing)
+	box := s.box
+	s.box = nil
+	s.mu.Unlock()
+	if box != nil {
+		box.Close()
 	}
 }
 
-// ensure returns the session's live box, replacing a dead one. Call with
-// s.mu held.
+// drop forgets the session's box if it is still box, destroying it.
+func (s *Session) drop(box sandbox.Sandbox) {
+	s.mu.Lock()
+	if s.box == box {
+		s.box = nil
+	}
+	s.mu.Unlock()
+	box.Close()
+}
+
+// ensure returns the session's live box, replacing a dead one. Call it on
+// the session's turn.
 func (s *Session) ensure(ctx context.Context) (box sandbox.Sandbox, fresh bool, note string, err error) {
-	if s.closed {
-		return nil, false, "", errors.New("the session was reset while this call waited; call again")
-	}
-	if s.box != nil {
-		select {
-		case <-s.box.Done():
-			s.box.Close()
-			s.box = nil
-			note = "the previous sandbox had died (memory limit or a crash); this call runs in a new one and earlier state is gone"
-		default:
-			return s.box, false, "", nil
+	s.mu.Lock()
+	box, lost, before := s.box, s.lost, s.hits
+	s.lost, s.hits = "", nil
+	s.mu.Unlock()
+	switch {
+	case box != nil && alive(box):
+		return box, false, "", nil
+	case box != nil:
+		if lost = faultReason(box); lost == "" {
+			lost = fmt.Sprintf(msgPrevDied, s.m.diedReason(box, delta(before, hits(box))))
 		}
+		s.drop(box)
+		note = lost + "; " + msgNewBox + ": " + s.m.survived(true, true)
+	case lost != "":
+		note = lost + "; " + msgNewBox + ": " + s.m.survived(true, true)
 	}
-	box, err = s.m.pool.Get(ctx)
+	box, err = s.m.getBox(ctx)
 	if err != nil {
+		if errors.Is(err, ErrBusy) {
+			return nil, false, note, err
+		}
 		return nil, false, note, fmt.Errorf("starting sandbox: %w", err)
 	}
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		box.Close()
+		return nil, false, note, ErrReset
+	}
 	s.box = box
+	s.mu.Unlock()
 	return box, true, note, nil
 }
 
@@ -323,36 +514,68 @@ func (s *Session) RunShell(ctx context.Context, command string, timeout time.Dur
 }
 
 func (s *Session) exec(ctx context.Context, timeout time.Duration, run runFunc) (*Outcome, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	defer func() { s.lastUsed = time.Now() }()
+	if err := s.acquire(ctx); err != nil {
+		return nil, err
+	}
+	defer s.release()
 	box, fresh, note, err := s.ensure(ctx)
 	if err != nil {
 		return nil, err
 	}
 	out, err := s.m.runBounded(ctx, box, timeout, run)
+	if s.isClosed() {
+		return nil, ErrReset // its box was destroyed under it
+	}
+	s.after(box, err)
 	if out != nil {
 		out.Session, out.Fresh = s.name, fresh
 		if note != "" {
 			out.Note = joinNote(note, out.Note)
 		}
 		if out.Restarted {
-			s.box = nil
+			s.drop(box)
 		}
 	}
 	return out, err
 }
 
-// WithBox runs f on the session's box (file operations).
+// WithBox runs f on the session's box (file operations). A reset of the
+// session destroys the box under f, which then fails.
 func (s *Session) WithBox(ctx context.Context, f func(sandbox.Sandbox) error) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	defer func() { s.lastUsed = time.Now() }()
+	if err := s.acquire(ctx); err != nil {
+		return err
+	}
+	defer s.release()
 	box, _, _, err := s.ensure(ctx)
 	if err != nil {
 		return err
 	}
-	return f(box)
+	err = f(box)
+	if s.isClosed() {
+		return ErrReset
+	}
+	s.after(box, err)
+	return err
+}
+
+// after records, on the session's turn, what the next call must know of
+// box after a call that ended with err: why kiln destroyed it, or its
+// limit counters to tell later what killed it.
+func (s *Session) after(box sandbox.Sandbox, err error) {
+	lost := ""
+	if err != nil && !alive(box) {
+		lost = lostReason(err)
+	}
+	h := hits(box)
+	s.mu.Lock()
+	s.lost, s.hits = lost, h
+	if lost != "" && s.box == box {
+		s.box = nil
+	}
+	s.mu.Unlock()
+	if lost != "" {
+		box.Close()
+	}
 }
 
 type runFunc func(context.Context, sandbox.Sandbox) (*agentproto.ExecResult, error)
@@ -367,10 +590,20 @@ type runResult struct {
 // the grace period the box is destroyed.
 func (m *Manager) runBounded(ctx context.Context, box sandbox.Sandbox, timeout time.Duration, run runFunc) (*Outcome, error) {
 	start := time.Now()
-	callCtx, cancel := context.WithCancel(context.Background())
+	before := hits(box)
+	// The call's values (a live-output sink) but not its cancellation:
+	// the deadline and the client going away interrupt it below.
+	callCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancel()
 	done := make(chan runResult, 1)
 	go func() {
+		defer func() { // a fault of kiln's on this call's path: see mcpserver's guard
+			if v := recover(); v != nil {
+				m.log.Error("panic running a call", "panic", v, "stack", string(debug.Stack()))
+				box.Close()
+				done <- runResult{err: fmt.Errorf("kiln faulted running the call (%v); its sandbox was destroyed", v)}
+			}
+		}()
 		res, err := run(callCtx, box)
 		done <- runResult{res, err}
 	}()
@@ -379,14 +612,16 @@ func (m *Manager) runBounded(ctx context.Context, box sandbox.Sandbox, timeout t
 
 	finish := func(r runResult) (*Outcome, error) {
 		out := &Outcome{ExecResult: r.res, Duration: time.Since(start)}
+		d := delta(before, hits(box)) // before Close, which may remove the counters
 		if r.err != nil {
 			if errors.Is(r.err, sandbox.ErrDied) {
+				why := m.diedReason(box, d)
 				box.Close()
 				out.ExecResult = &agentproto.ExecResult{Error: &agentproto.ExecError{
-					Name: "SandboxDied", Value: m.diedReason(box),
+					Name: "SandboxDied", Value: why,
 				}}
 				out.Restarted = true
-				out.Note = "the sandbox died during the call and was replaced; the next call starts fresh"
+				out.Note = why + "; " + m.survived(true, true)
 				return out, nil
 			}
 			var ae *sandbox.AgentError
@@ -395,6 +630,7 @@ func (m *Manager) runBounded(ctx context.Context, box sandbox.Sandbox, timeout t
 			}
 			return nil, r.err
 		}
+		m.explainLimits(out, box, d)
 		return out, nil
 	}
 
@@ -413,9 +649,9 @@ func (m *Manager) runBounded(ctx context.Context, box sandbox.Sandbox, timeout t
 		}
 		return out, err
 	case <-timer.C:
-		why = fmt.Sprintf("timed out after %s", timeout.Round(time.Millisecond))
+		why = fmt.Sprintf(msgTime, limitSeconds(timeout))
 	case <-ctx.Done():
-		why = "the client cancelled the call"
+		why = msgCancel
 	}
 	ictx, icancel := context.WithTimeout(context.Background(), m.opts.Grace)
 	box.Interrupt(ictx)
@@ -425,7 +661,11 @@ func (m *Manager) runBounded(ctx context.Context, box sandbox.Sandbox, timeout t
 		out, err := finish(r)
 		if out != nil {
 			out.TimedOut = true
-			out.Note = joinNote(why+"; the call was interrupted and the session kept its state", out.Note)
+			note := fmt.Sprintf(msgInterrupted, why)
+			if !out.Restarted {
+				note = joinNote(note, m.survived(false, false))
+			}
+			out.Note = joinNote(note, out.Note)
 		}
 		return out, err
 	case <-time.After(m.opts.Grace):
@@ -438,19 +678,8 @@ func (m *Manager) runBounded(ctx context.Context, box sandbox.Sandbox, timeout t
 		Duration:   time.Since(start),
 		TimedOut:   true,
 		Restarted:  true,
-		Note:       why + "; the code did not stop when interrupted, so its sandbox was destroyed and the session restarted (variables and files are gone)",
+		Note:       joinNote(fmt.Sprintf(msgNotStopped, why), m.survived(true, true)),
 	}, nil
-}
-
-// oomReporter is implemented by boxes that know whether they hit their
-// memory limit.
-type oomReporter interface{ OOMKilled() bool }
-
-func (m *Manager) diedReason(box sandbox.Sandbox) string {
-	if o, ok := box.(oomReporter); ok && o.OOMKilled() {
-		return fmt.Sprintf("the sandbox hit its memory limit (%d MiB) and was killed", m.opts.Limits.MemoryBytes>>20)
-	}
-	return "the sandbox died (memory limit, or a crash)"
 }
 
 func joinNote(a, b string) string {

@@ -138,17 +138,7 @@ func BenchmarkPSS(b *testing.B) {
 }
 
 func boxPids(bx *box) []int {
-	seen := map[int]bool{}
-	var out []int
-	for _, d := range cgroupDirs(bx.cgroup) {
-		for _, p := range cgroupProcs(d) {
-			if !seen[p] {
-				seen[p] = true
-				out = append(out, p)
-			}
-		}
-	}
-	return out
+	return bx.b.cgroups.Group(bx.cgroup).Procs()
 }
 
 func pssKB(pid int) int {

@@ -1,7 +1,6 @@
 package gvisor
 
 import (
-	"bufio"
 	"context"
 	"crypto/rand"
 	"encoding/json"
@@ -11,20 +10,28 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"sort"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"kiln/internal/sandbox/boxkit"
+	"kiln/internal/sandbox/boxplan"
 )
 
 var randReader = rand.Reader
 
-// cgroupParent holds the cgroups runsc creates for kiln's boxes, one per box.
+// cgroupParent holds the cgroups runsc creates for kiln's boxes, one per
+// box, named <owner>.<container ID> where owner is the kiln process's stamp
+// (pid and start time, boxkit.Owner), so that any kiln can tell which ones
+// a dead process left.
 const cgroupParent = "/kiln-gvisor"
+
+// selfOwner is the stamp of this process, in the names of what it leaves
+// on the host (a variable so that a test can pose as a dead process).
+var selfOwner = boxkit.Self
 
 // Teardown timeouts: each step gets this long before the next, harsher one.
 const (
@@ -43,6 +50,7 @@ type box struct {
 	stream *pipeStream
 	exited chan struct{} // closed when the runsc run/restore process exits
 
+	cleanup boxkit.Cleanup // what destroy undoes, last first
 	once    sync.Once
 	err     error
 	logTail string // runsc's stderr, kept when the directory goes
@@ -80,12 +88,13 @@ func (b *Backend) runscCmd(ctx context.Context, state string, args ...string) *e
 	cmd := exec.CommandContext(ctx, b.runsc, append(flags, args...)...)
 	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
 	cmd.WaitDelay = time.Second
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	return cmd
 }
 
 // start writes the box's bundle and runs (or, with image, restores) it with
 // pipes for stdio. The returned stream talks to the agent.
-func (b *Backend) start(ctx context.Context, cid string, cfg boxConfig, image string) (*box, *pipeStream, error) {
+func (b *Backend) start(ctx context.Context, cid string, cfg boxConfig, image string) (_ *box, _ *pipeStream, err error) {
 	b.mu.Lock()
 	closed := b.closed
 	b.mu.Unlock()
@@ -95,36 +104,41 @@ func (b *Backend) start(ctx context.Context, cid string, cfg boxConfig, image st
 	dir := filepath.Join(b.dir, "boxes", cid)
 	bx := &box{b: b, cid: cid, dir: dir, state: filepath.Join(dir, "state"), cgroup: cfg.CgroupPath, exited: make(chan struct{})}
 	bundle := filepath.Join(dir, "bundle")
+	defer func() {
+		if err != nil {
+			bx.cleanup.Run()
+		}
+	}()
+	// The box's steps, undone in reverse: its directory (with whatever
+	// runsc left mounted there), its cgroup, and once runsc runs, runsc.
+	bx.cleanup.Add(func() error { return removeState(dir) })
+	bx.cleanup.Add(func() error { return b.killCgroup(bx.cgroup) })
 	for _, d := range []string{bundle, bx.state} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
 			return nil, nil, fmt.Errorf("creating box directory: %w", err)
 		}
 	}
-	fail := func(err error) (*box, *pipeStream, error) {
-		os.RemoveAll(dir)
-		return nil, nil, err
-	}
 	js, err := json.MarshalIndent(buildSpec(cfg), "", "  ")
 	if err != nil {
-		return fail(fmt.Errorf("encoding OCI spec: %w", err))
+		return nil, nil, fmt.Errorf("encoding OCI spec: %w", err)
 	}
 	if err := os.WriteFile(filepath.Join(bundle, "config.json"), js, 0o600); err != nil {
-		return fail(fmt.Errorf("writing OCI spec: %w", err))
+		return nil, nil, fmt.Errorf("writing OCI spec: %w", err)
 	}
 	logf, err := os.OpenFile(filepath.Join(dir, "runsc.log"), os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
 	if err != nil {
-		return fail(fmt.Errorf("creating runsc log: %w", err))
+		return nil, nil, fmt.Errorf("creating runsc log: %w", err)
 	}
 	defer logf.Close()
 	inR, inW, err := os.Pipe()
 	if err != nil {
-		return fail(fmt.Errorf("creating stdin pipe: %w", err))
+		return nil, nil, fmt.Errorf("creating stdin pipe: %w", err)
 	}
 	outR, outW, err := os.Pipe()
 	if err != nil {
 		inR.Close()
 		inW.Close()
-		return fail(fmt.Errorf("creating stdout pipe: %w", err))
+		return nil, nil, fmt.Errorf("creating stdout pipe: %w", err)
 	}
 	var cmd *exec.Cmd
 	// The box outlives ctx: ctx bounds only the wait for its hello.
@@ -136,18 +150,26 @@ func (b *Backend) start(ctx context.Context, cid string, cfg boxConfig, image st
 	cmd.Dir = dir
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = inR, outW, logf
 	// Its own process group, so that a signal to kiln's group (^C) does not
-	// reach runsc, which would forward it into the box.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	// reach runsc, which would forward it into the box. The box dies with
+	// kiln: runsc gets SIGKILL when kiln dies (Pdeathsig, which the Go
+	// runtime ties to the thread that starts it; kiln's threads end only
+	// with a goroutine that locked one, and none of those starts runsc),
+	// and runsc run and restore, attached to their sandbox, start the
+	// sandbox and its gofer with Pdeathsig of their own. A wedged box
+	// that never sees its stream close dies all the same.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	err = cmd.Start()
 	inR.Close()
 	outW.Close()
 	if err != nil {
 		inW.Close()
 		outR.Close()
-		return fail(fmt.Errorf("starting runsc: %w", err))
+		return nil, nil, fmt.Errorf("starting runsc: %w", err)
 	}
 	bx.cmd = cmd
 	bx.stream = &pipeStream{r: outR, w: inW}
+	bx.cleanup.Add(bx.stop)
+	bx.cleanup.Add(bx.keepLog)
 	go func() {
 		cmd.Wait()
 		close(bx.exited)
@@ -190,10 +212,26 @@ func (bx *box) destroy() error {
 }
 
 func (bx *box) teardown() error {
-	b := bx.b
+	if err := bx.cleanup.Run(); err != nil {
+		bx.b.log.Warn("box left something behind", "container", bx.cid, "err", err)
+		return fmt.Errorf("destroying gvisor box %s: %w", bx.cid, err)
+	}
+	return nil
+}
+
+// keepLog keeps the tail of runsc's log for explain, before the box's
+// directory goes.
+func (bx *box) keepLog() error {
 	if b, err := os.ReadFile(filepath.Join(bx.dir, "runsc.log")); err == nil {
 		bx.logTail = tail(string(b), 1500)
 	}
+	return nil
+}
+
+// stop ends the box: runsc kill, then SIGKILL to runsc, then runsc delete
+// -force. Whatever survives goes with the box's cgroup.
+func (bx *box) stop() error {
+	b := bx.b
 	select {
 	case <-bx.exited:
 	default:
@@ -213,24 +251,13 @@ func (bx *box) teardown() error {
 	if derr != nil && !strings.Contains(string(out), "does not exist") {
 		b.log.Debug("runsc delete", "container", bx.cid, "err", derr, "out", tail(string(out), 500))
 	}
-	var errs []error
-	if err := killCgroup(bx.cgroup); err != nil {
-		errs = append(errs, err)
-	}
-	if err := removeState(bx.dir); err != nil {
-		errs = append(errs, err)
-	}
-	if err := errors.Join(errs...); err != nil {
-		b.log.Warn("box left something behind", "container", bx.cid, "err", err)
-		return fmt.Errorf("destroying gvisor box %s: %w", bx.cid, err)
-	}
 	return nil
 }
 
 // removeState unmounts whatever is mounted under dir (runsc leaves a bind
 // of the sandbox's network namespace under its root) and removes dir.
 func removeState(dir string) error {
-	mounts, err := mountsUnder(dir)
+	mounts, err := boxkit.MountsUnder(dir)
 	if err != nil {
 		return err
 	}
@@ -244,149 +271,6 @@ func removeState(dir string) error {
 		errs = append(errs, fmt.Errorf("removing state directory: %w", err))
 	}
 	return errors.Join(errs...)
-}
-
-// mountsUnder lists the mount points at or under dir, deepest first.
-func mountsUnder(dir string) ([]string, error) {
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		return nil, fmt.Errorf("reading mounts: %w", err)
-	}
-	defer f.Close()
-	var out []string
-	sc := bufio.NewScanner(f)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		fields := strings.Fields(sc.Text())
-		if len(fields) < 5 {
-			continue
-		}
-		mp := unescapeMountinfo(fields[4])
-		if mp == dir || strings.HasPrefix(mp, dir+"/") {
-			out = append(out, mp)
-		}
-	}
-	sort.Slice(out, func(i, j int) bool { return len(out[i]) > len(out[j]) })
-	return out, sc.Err()
-}
-
-// unescapeMountinfo undoes the octal escapes (\040 for a space) of
-// /proc/self/mountinfo.
-func unescapeMountinfo(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
-}
-
-// cgroupDirs lists the directories of cgroup path rel in every mounted
-// hierarchy (v1 controllers and the v2 unified tree).
-func cgroupDirs(rel string) []string {
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		return nil
-	}
-	defer f.Close()
-	seen := map[string]bool{}
-	var out []string
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		line := sc.Text()
-		_, post, ok := strings.Cut(line, " - ")
-		if !ok {
-			continue
-		}
-		fsType, _, _ := strings.Cut(post, " ")
-		if fsType != "cgroup" && fsType != "cgroup2" {
-			continue
-		}
-		fields := strings.Fields(line)
-		d := filepath.Join(unescapeMountinfo(fields[4]), rel)
-		if !seen[d] {
-			seen[d] = true
-			out = append(out, d)
-		}
-	}
-	return out
-}
-
-// killCgroup kills every process left in the box's cgroup and removes it.
-func killCgroup(rel string) error {
-	if rel == "" {
-		return nil
-	}
-	var errs []error
-	for _, d := range cgroupDirs(rel) {
-		if _, err := os.Stat(d); err != nil {
-			continue
-		}
-		for attempt := 0; ; attempt++ {
-			pids := cgroupProcs(d)
-			if len(pids) == 0 {
-				break
-			}
-			if attempt == 50 {
-				errs = append(errs, fmt.Errorf("processes %v survive in cgroup %s", pids, d))
-				break
-			}
-			os.WriteFile(filepath.Join(d, "cgroup.kill"), []byte("1"), 0) // v2 only
-			for _, pid := range pids {
-				syscall.Kill(pid, syscall.SIGKILL)
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
-		if err := rmdirRetry(d); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	return errors.Join(errs...)
-}
-
-func cgroupProcs(dir string) []int {
-	b, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
-	if err != nil {
-		return nil
-	}
-	var pids []int
-	for _, f := range strings.Fields(string(b)) {
-		if pid, err := strconv.Atoi(f); err == nil {
-			pids = append(pids, pid)
-		}
-	}
-	return pids
-}
-
-func rmdirRetry(d string) error {
-	var err error
-	for i := 0; i < 50; i++ {
-		err = syscall.Rmdir(d)
-		if err == nil || errors.Is(err, syscall.ENOENT) {
-			return nil
-		}
-		if !errors.Is(err, syscall.EBUSY) {
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	return fmt.Errorf("removing cgroup %s: %w", d, err)
-}
-
-// removeCgroup removes the cgroup rel in every hierarchy if it is empty.
-func removeCgroup(rel string) {
-	for _, d := range cgroupDirs(rel) {
-		syscall.Rmdir(d)
-	}
 }
 
 // prepareState creates this process's state directory and destroys what
@@ -403,46 +287,23 @@ func (b *Backend) prepareState() error {
 		return fmt.Errorf("creating gvisor state directory: %w", err)
 	}
 	b.sweep(base)
-	// One directory per backend: a process may hold several.
-	b.dir = filepath.Join(base, strconv.Itoa(os.Getpid())+"-"+randSuffix())
+	b.sweepCgroups()
+	// One directory per backend, "<owner>-<random>": a process may hold
+	// several.
+	b.dir = filepath.Join(base, b.owner+"-"+randSuffix())
 	if err := os.MkdirAll(b.dir, 0o700); err != nil {
 		return fmt.Errorf("creating gvisor state directory: %w", err)
-	}
-	if err := os.WriteFile(filepath.Join(b.dir, "owner"), []byte(processStamp(os.Getpid())), 0o600); err != nil {
-		return fmt.Errorf("writing gvisor state owner: %w", err)
 	}
 	return nil
 }
 
 // sweep destroys the boxes of kiln processes that are gone.
 func (b *Backend) sweep(base string) {
-	entries, err := os.ReadDir(base)
-	if err != nil {
-		return
-	}
-	for _, e := range entries {
-		if !e.IsDir() {
-			continue
-		}
-		dir := filepath.Join(base, e.Name())
-		owner, err := os.ReadFile(filepath.Join(dir, "owner"))
-		if errors.Is(err, fs.ErrNotExist) {
-			// Being created right now, or its owner died before writing
-			// it: judge by the pid in the name.
-			pidStr, _, _ := strings.Cut(e.Name(), "-")
-			if pid, err := strconv.Atoi(pidStr); err == nil && processStamp(pid) != "" {
-				continue
-			}
-		} else if err != nil {
-			continue
-		} else if pidStr, _, _ := strings.Cut(string(owner), " "); pidStr != "" {
-			if pid, err := strconv.Atoi(pidStr); err == nil && processStamp(pid) == string(owner) {
-				continue // its owner lives
-			}
-		}
+	boxkit.SweepOrphans(base, "", func(dir string) error {
 		b.log.Info("destroying boxes left by a dead kiln process", "dir", dir)
 		b.sweepDir(dir)
-	}
+		return nil
+	})
 }
 
 func (b *Backend) sweepDir(dir string) {
@@ -452,36 +313,66 @@ func (b *Backend) sweepDir(dir string) {
 		ctx, cancel := context.WithTimeout(context.Background(), deleteGrace)
 		b.runscCmd(ctx, filepath.Join(bd, "state"), "delete", "--force", cid).Run()
 		cancel()
-		killCgroup(cgroupParent + "/" + cid)
+		b.killCgroup(boxCgroup(bd))
 	}
 	if err := removeState(dir); err != nil {
 		b.log.Warn("sweeping gvisor state", "dir", dir, "err", err)
 	}
 }
 
-// processStamp identifies a live process across pid reuse: its pid and
-// start time.
-func processStamp(pid int) string {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return ""
+// boxCgroup is the cgroup of the box whose directory is dir, as its OCI
+// spec names it.
+func boxCgroup(dir string) string {
+	var s struct {
+		Linux struct {
+			CgroupsPath string `json:"cgroupsPath"`
+		} `json:"linux"`
 	}
-	s := string(b)
-	if i := strings.LastIndexByte(s, ')'); i >= 0 {
-		s = s[i+1:]
+	js, err := os.ReadFile(filepath.Join(dir, "bundle", "config.json"))
+	if err == nil && json.Unmarshal(js, &s) == nil && strings.HasPrefix(s.Linux.CgroupsPath, cgroupParent+"/") {
+		return s.Linux.CgroupsPath
 	}
-	f := strings.Fields(s)
-	if len(f) < 20 {
-		return ""
-	}
-	return strconv.Itoa(pid) + " " + f[19] // field 22: starttime
+	return cgroupParent + "/" + filepath.Base(dir)
 }
 
-// presentHostDirs are the hostRuntimeDirs that exist as directories (not
+// killCgroup kills every process left in the box's cgroup rel (runsc made
+// it from the OCI spec, in every hierarchy) and removes it.
+func (b *Backend) killCgroup(rel string) error {
+	if rel == "" {
+		return nil
+	}
+	return b.cgroups.Group(rel).Destroy()
+}
+
+// sweepCgroups removes the box cgroups of kiln processes that are gone,
+// whichever state directory they used (a test's temporary one, say), and
+// kills what is still in them. A cgroup without an owner in its name is an
+// older kiln's: it is removed only if empty.
+func (b *Backend) sweepCgroups() {
+	for _, name := range b.cgroups.Children(cgroupParent) {
+		if _, _, owned := boxkit.ParseOwner(name); !owned {
+			if g := b.cgroups.Group(cgroupParent + "/" + name); g.RemoveIfEmpty() {
+				b.log.Info("removed an empty box cgroup left by a dead kiln process", "cgroup", g.Path())
+			}
+		}
+	}
+	removed, err := b.cgroups.Sweep(cgroupParent, func(name string) bool {
+		o, _, owned := boxkit.ParseOwner(name)
+		return owned && !o.Alive()
+	})
+	for _, name := range removed {
+		b.log.Info("removed a box cgroup left by a dead kiln process", "cgroup", cgroupParent+"/"+name)
+	}
+	if err != nil {
+		b.log.Warn("sweeping gvisor cgroups", "err", err)
+	}
+}
+
+// presentHostDirs are the boxplan.RuntimeDirs that exist as directories (not
 // symlinks) on this host.
 func presentHostDirs() []hostDir {
 	var out []hostDir
-	for _, d := range hostRuntimeDirs {
+	for _, d := range boxplan.RuntimeDirs {
 		if fi, err := os.Lstat(d); err == nil && fi.IsDir() {
 			out = append(out, hostDir{Path: d})
 		}
@@ -499,7 +390,7 @@ func buildHostRoot(dir string, uid, gid uint32) error {
 			return fmt.Errorf("building box root: %w", err)
 		}
 	}
-	for _, d := range hostRuntimeDirs {
+	for _, d := range boxplan.RuntimeDirs {
 		fi, err := os.Lstat(d)
 		switch {
 		case err != nil:
@@ -518,26 +409,16 @@ func buildHostRoot(dir string, uid, gid uint32) error {
 			}
 		}
 	}
-	if err := os.WriteFile(filepath.Join(dir, agentPath), nil, 0o755); err != nil {
+	if err := os.WriteFile(filepath.Join(dir, boxplan.AgentPath), nil, 0o755); err != nil {
 		return fmt.Errorf("building box root: %w", err)
 	}
 	etc := filepath.Join(dir, "etc")
-	for _, name := range hostEtc {
+	for _, name := range boxplan.EtcFromHost {
 		if err := copyTree(filepath.Join("/etc", name), filepath.Join(etc, name)); err != nil {
 			return fmt.Errorf("copying /etc/%s into box root: %w", name, err)
 		}
 	}
-	files := map[string]string{}
-	for k, v := range synthEtc {
-		files[k] = v
-	}
-	if uid != 65534 {
-		files["passwd"] += fmt.Sprintf("kiln:x:%d:%d:kiln:/work:/usr/sbin/nologin\n", uid, gid)
-	}
-	if gid != 65534 {
-		files["group"] += fmt.Sprintf("kiln:x:%d:\n", gid)
-	}
-	for name, content := range files {
+	for name, content := range boxplan.Etc(boxplan.Hostname, "", int(uid), int(gid)) {
 		if err := os.WriteFile(filepath.Join(etc, name), []byte(content), 0o644); err != nil {
 			return fmt.Errorf("building box /etc: %w", err)
 		}

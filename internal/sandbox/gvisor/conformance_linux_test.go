@@ -13,6 +13,9 @@ import (
 // host cgroup (see sentryMemSlack), and the session layer replaces it.
 var conformance = sandboxtest.Options{MemoryBombKillsBox: true}
 
+// The hostile battery checks after every case that its boxes left nothing.
+var _ sandboxtest.LeakChecker = (*Backend)(nil)
+
 func TestConformanceCold(t *testing.T) {
 	b := newTestBackend(t, Options{Cold: true, Agent: sandboxtest.BuildAgent(t)})
 	sandboxtest.RunWith(t, b, conformance)

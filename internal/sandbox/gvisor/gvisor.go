@@ -5,9 +5,16 @@
 //
 // A box's root is a read-only view of the host runtime (/usr and friends,
 // plus a synthesized /etc) or an image root directory; its workspace and
-// /tmp are size-capped tmpfs inside the sandbox; it has no network, no
-// capabilities and no new privileges, runs as nobody, and its memory, CPU
-// and host pids are bounded by the cgroup runsc creates from the OCI spec.
+// /tmp are size-capped tmpfs inside the sandbox; it has no network and no
+// new privileges, and its memory, CPU and host pids are bounded by the
+// cgroup runsc creates from the OCI spec. Code runs as nobody with no
+// capabilities; the agent runs as root of the box with the few it needs
+// (agentCaps), so code cannot signal it or reopen its stream through /proc.
+// HOME and the caches are under the box's /tmp, outside the workspace.
+//
+// Boxes die with the kiln process (runsc gets Pdeathsig, and passes one on
+// to the sandbox and gofer); the cgroups of a dead kiln are named after it
+// and removed by the next backend to start.
 //
 // Warm start: for each distinct box shape (limits that shape the filesystem,
 // preloaded modules) the backend checkpoints one template box whose kernel
@@ -40,8 +47,8 @@ type Options struct {
 	// Platform is runsc's platform. Default "systrap"; "ptrace" works
 	// everywhere but costs about 12× per syscall; "kvm" needs /dev/kvm.
 	Platform string
-	// UID and GID of the processes in the box. Default 65534 (nobody).
-	// Root (0) is refused.
+	// UID and GID code runs as in the box. Default 65534 (nobody). Root
+	// (0) is refused; it is the agent's.
 	UID, GID uint32
 	// Cold disables warm start: every box boots and imports its libraries
 	// itself instead of being restored from a checkpoint.
@@ -67,6 +74,7 @@ var (
 	_ sandbox.Backend   = (*Backend)(nil)
 	_ sandbox.Checker   = (*Backend)(nil)
 	_ sandbox.Describer = (*Backend)(nil)
+	_ sandbox.Warmer    = (*Backend)(nil)
 )
 
 // Name is the --backend value.

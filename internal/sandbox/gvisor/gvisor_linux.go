@@ -1,7 +1,6 @@
 package gvisor
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -11,13 +10,13 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"sync"
 
 	"time"
 
 	"kiln/internal/agentproto"
 	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/boxkit"
 )
 
 // Backend starts boxes under runsc. Create it with New; Close it when the
@@ -29,11 +28,14 @@ type Backend struct {
 	version string
 	dir     string // this process's state directory
 	root    string // the boxes' root directory
+	owner   string // stamp of this process, in its boxes' cgroup names
+	cgroups *boxkit.Cgroups
 
-	mu        sync.Mutex
-	boxes     map[string]*box
-	templates map[string]*template
-	closed    bool
+	tpls *boxkit.TemplateCache[*template]
+
+	mu     sync.Mutex
+	boxes  map[string]*box
+	closed bool
 }
 
 // New checks the runsc and agent binaries, prepares the state directory
@@ -75,13 +77,19 @@ func New(opts Options) (*Backend, error) {
 		return nil, err
 	}
 	b := &Backend{
-		opts:      opts,
-		log:       opts.Logger.With("backend", "gvisor"),
-		runsc:     runsc,
-		version:   version,
-		boxes:     make(map[string]*box),
-		templates: make(map[string]*template),
+		opts:    opts,
+		log:     opts.Logger.With("backend", "gvisor"),
+		runsc:   runsc,
+		version: version,
+		boxes:   make(map[string]*box),
+		owner:   selfOwner().String(),
+		cgroups: boxkit.HostCgroups(),
 	}
+	b.tpls = boxkit.NewTemplateCache(boxkit.TemplateOptions[*template]{
+		Name:        "warm-start template",
+		KeepFailure: retryTemplate,
+		Logger:      b.log,
+	})
 	if err := b.prepareState(); err != nil {
 		return nil, err
 	}
@@ -137,15 +145,9 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 	}
 	s := b.spec(spec)
 	if !b.opts.Cold {
-		t, fresh := b.template(s, spec)
-		if fresh {
-			go func() {
-				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-				defer cancel()
-				b.buildTemplate(ctx, t, s)
-			}()
-		} else if t.isReady() && t.err == nil {
-			sb, err := b.restore(ctx, spec.ID, s, t)
+		if tt := b.tpls.Ready(b.templateKey(s), b.buildTemplate(s)); tt != nil {
+			sb, err := b.restore(ctx, spec.ID, s, tt.Value)
+			b.tpls.Release(tt)
 			if err == nil {
 				return sb, nil
 			}
@@ -166,16 +168,7 @@ func (b *Backend) Warm(ctx context.Context, spec sandbox.Spec) error {
 		return nil
 	}
 	s := b.spec(spec)
-	t, fresh := b.template(s, spec)
-	if fresh {
-		b.buildTemplate(ctx, t, s)
-	}
-	select {
-	case <-t.ready:
-		return t.err
-	case <-ctx.Done():
-		return ctx.Err()
-	}
+	return b.tpls.Warm(ctx, b.templateKey(s), b.buildTemplate(s))
 }
 
 // spec is the OCI spec of a box; its cgroup path is filled in per box.
@@ -191,14 +184,17 @@ func (b *Backend) spec(spec sandbox.Spec) boxSpec {
 	if b.opts.Rootfs == "" {
 		cfg.HostDirs = presentHostDirs()
 	}
-	return boxSpec{cfg}
+	return boxSpec{cfg, b.owner}
 }
 
-type boxSpec struct{ boxConfig }
+type boxSpec struct {
+	boxConfig
+	owner string // stamp of this process
+}
 
 func (s boxSpec) forBox(cid string) boxConfig {
 	c := s.boxConfig
-	c.CgroupPath = cgroupParent + "/" + cid
+	c.CgroupPath = cgroupParent + "/" + s.owner + "." + cid
 	return c
 }
 
@@ -214,7 +210,7 @@ func (b *Backend) coldStart(ctx context.Context, id string, s boxSpec) (sandbox.
 		return nil, bx.explain(fmt.Errorf("starting gvisor box: %w", err))
 	}
 	b.log.Debug("box started cold", "id", id, "container", cid)
-	return conn, nil
+	return &gvBox{conn, bx}, nil
 }
 
 // restore starts a box from t's checkpoint. The restored agent does not
@@ -242,36 +238,37 @@ func (b *Backend) restore(ctx context.Context, id string, s boxSpec, t *template
 	if resp.ID != pingID || resp.Error != "" {
 		return nil, fail(fmt.Errorf("pinging agent: unexpected answer %+v", resp))
 	}
-	var hello bytes.Buffer
-	if err := agentproto.WriteFrame(&hello, &t.hello); err != nil {
-		return nil, fail(err)
-	}
-	conn, err := sandbox.NewAgentConn(ctx, id, &replayStream{r: io.MultiReader(&hello, stream), stream: stream}, bx.destroy)
+	// Every box restored from one image starts with the same random
+	// state; RestoreConn draws fresh seeds from the (host) entropy source.
+	conn, err := sandbox.RestoreConn(ctx, id, stream, t.hello, bx.destroy, nil)
 	if err != nil {
 		return nil, bx.explain(fmt.Errorf("restoring gvisor box: %w", err))
 	}
-	if t.hello.Python != "" {
-		// Every box restored from one image starts with the same random
-		// state; draw fresh seeds from the (host) entropy source.
-		if _, err := conn.RunPython(ctx, sandbox.ReseedCell, sandbox.ExecOptions{MaxOutput: 4096}); err != nil {
-			conn.Close()
-			return nil, fmt.Errorf("reseeding restored box: %w", err)
-		}
-	}
 	b.log.Debug("box restored", "id", id, "container", cid, "template", t.key)
-	return conn, nil
+	return &gvBox{conn, bx}, nil
 }
 
-// replayStream reads from r (a replayed hello, then the stream) and writes
-// to and closes the stream.
-type replayStream struct {
-	r      io.Reader
-	stream io.ReadWriteCloser
+// gvBox is a box's agent connection with what the host sees of its
+// limits.
+type gvBox struct {
+	*sandbox.AgentConn
+	bx *box
 }
 
-func (s *replayStream) Read(p []byte) (int, error)  { return s.r.Read(p) }
-func (s *replayStream) Write(p []byte) (int, error) { return s.stream.Write(p) }
-func (s *replayStream) Close() error                { return s.stream.Close() }
+var _ sandbox.LimitReporter = (*gvBox)(nil)
+
+// LimitHits counts the OOM kills of the box's host cgroup: gVisor has no
+// OOM killer of its own, so a box over its limit dies whole. runsc removes
+// the cgroup as the box dies, mostly before the host reads the count: the
+// count is then unknown (-1) and the result says so. Its pids limit is the RLIMIT_NPROC the gVisor kernel enforces
+// inside, which the host does not see (the host cgroup's pids limit has
+// slack for the sandbox's own threads).
+func (g *gvBox) LimitHits() sandbox.LimitHits {
+	if g.bx.cgroup == "" {
+		return sandbox.LimitHits{OOMKills: -1, PidsRefused: -1}
+	}
+	return sandbox.LimitHits{OOMKills: g.bx.b.cgroups.Group(g.bx.cgroup).OOMKills(), PidsRefused: -1}
+}
 
 // readFrame reads one frame, giving up when ctx ends (the caller then
 // destroys the box, which unblocks the read).
@@ -295,50 +292,39 @@ type template struct {
 	key   string
 	dir   string
 	image string
-	ready chan struct{} // closed when image and hello, or err, are set
 	hello agentproto.Hello
-	err   error
 }
 
-func (t *template) isReady() bool {
-	select {
-	case <-t.ready:
-		return true
-	default:
-		return false
-	}
-}
+// retryTemplate is how long boxes of a shape whose template could not be
+// built start cold before the template is tried again.
+const retryTemplate = time.Minute
 
-// template returns the template for boxes of spec s, and whether the caller
-// has just registered it and must build it.
-func (b *Backend) template(s boxSpec, spec sandbox.Spec) (*template, bool) {
-	key := templateKey(buildSpec(s.forBox("template")), b.version, b.opts.Platform, fileStamp(b.opts.Agent))
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if t, ok := b.templates[key]; ok {
-		return t, false
-	}
-	dir := filepath.Join(b.dir, "templates", key)
-	t := &template{key: key, dir: dir, image: filepath.Join(dir, "image"), ready: make(chan struct{})}
-	b.templates[key] = t
-	return t, true
+// templateKey names the template for boxes of spec s.
+func (b *Backend) templateKey(s boxSpec) string {
+	return templateKey(buildSpec(s.forBox("template")), b.version, b.opts.Platform, fileStamp(b.opts.Agent))
 }
 
 // buildTemplate boots a box, waits until its agent has imported its
 // preloads, and checkpoints it. The box exits with the checkpoint.
-func (b *Backend) buildTemplate(ctx context.Context, t *template, s boxSpec) {
-	start := time.Now()
-	t.err = b.checkpoint(ctx, t, s)
-	if t.err != nil {
-		b.log.Warn("building warm-start template failed; boxes of this shape start cold", "template", t.key, "err", t.err)
-	} else {
+func (b *Backend) buildTemplate(s boxSpec) boxkit.TemplateBuild[*template] {
+	return func(ctx context.Context, _ bool) (*template, time.Time, error) {
+		key := b.templateKey(s)
+		dir := filepath.Join(b.dir, "templates", key)
+		t := &template{key: key, dir: dir, image: filepath.Join(dir, "image")}
+		start := time.Now()
+		ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
+		defer cancel()
+		if err := b.checkpoint(ctx, t, s); err != nil {
+			b.log.Warn("building warm-start template failed; boxes of this shape start cold", "template", t.key, "err", err)
+			return nil, time.Time{}, err
+		}
 		b.log.Info("warm-start template ready", "template", t.key, "took", time.Since(start).Round(time.Millisecond), "python", t.hello.Python, "preloaded", t.hello.Preloaded)
+		return t, time.Time{}, nil
 	}
-	close(t.ready)
 }
 
 func (b *Backend) checkpoint(ctx context.Context, t *template, s boxSpec) error {
-	cid := "kiln-template-" + t.key + "-" + randSuffix()
+	cid := templatePrefix + t.key + "-" + randSuffix()
 	bx, stream, err := b.start(ctx, cid, s.forBox(cid), "")
 	if err != nil {
 		return err
@@ -380,12 +366,8 @@ func (b *Backend) Check(ctx context.Context) error {
 		return fmt.Errorf("starting a gvisor box (runsc %s, platform %s): %w", b.version, b.opts.Platform, err)
 	}
 	defer sb.Close()
-	res, err := sb.RunShell(ctx, "echo ok", sandbox.ExecOptions{MaxOutput: 1024})
-	if err != nil {
-		return fmt.Errorf("running a command in a gvisor box: %w", err)
-	}
-	if strings.TrimSpace(res.Stdout.Text) != "ok" {
-		return fmt.Errorf("running a command in a gvisor box: got %q (exit %d, stderr %q)", res.Stdout.Text, res.ExitCode, res.Stderr.Text)
+	if err := sandbox.Probe(ctx, sb); err != nil {
+		return fmt.Errorf("gvisor: %w", err)
 	}
 	return nil
 }
@@ -409,8 +391,9 @@ func (b *Backend) Close() error {
 		bx.closeStream()
 		errs = append(errs, bx.destroy())
 	}
+	b.tpls.Close() // a template being built fails now that the backend is closed
 	errs = append(errs, removeState(b.dir))
-	removeCgroup(cgroupParent) // only if empty: other kiln processes may use it
+	b.cgroups.Group(cgroupParent).RemoveIfEmpty() // other kiln processes may use it
 	return errors.Join(errs...)
 }
 

@@ -7,12 +7,16 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
 	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/boxkit"
 )
 
 // Tests that start boxes need root and a static runsc. They use, in order:
@@ -115,13 +119,14 @@ func assertNothingLeft(tb testing.TB, b *Backend) {
 	if _, err := os.Stat(b.dir); err == nil {
 		tb.Errorf("state directory %s survives", b.dir)
 	}
-	if m, _ := mountsUnder(b.dir); len(m) > 0 {
+	if m, _ := boxkit.MountsUnder(b.dir); len(m) > 0 {
 		tb.Errorf("mounts survive: %v", m)
 	}
-	for _, d := range cgroupDirs(cgroupParent) {
+	// This process's box cgroups (other kiln processes may hold theirs).
+	for _, d := range b.cgroups.Dirs(cgroupParent) {
 		entries, _ := os.ReadDir(d)
 		for _, e := range entries {
-			if e.IsDir() && (strings.HasPrefix(e.Name(), "kiln-test") || strings.HasPrefix(e.Name(), "kiln-template-")) {
+			if e.IsDir() && strings.HasPrefix(e.Name(), b.owner+".") {
 				tb.Errorf("cgroup survives: %s/%s", d, e.Name())
 			}
 		}
@@ -193,8 +198,18 @@ func TestColdBox(t *testing.T) {
 	if out, _ := exec.Command("pgrep", "-f", b.dir).Output(); len(out) == 0 {
 		t.Errorf("no host process of the box matches %s: the leftover check is blind", b.dir)
 	}
+	if !slices.ContainsFunc(b.cgroups.Children(cgroupParent), func(name string) bool { return strings.HasPrefix(name, b.owner+".") }) {
+		t.Errorf("no cgroup of the box is named %s.*: the leftover check is blind", b.owner)
+	}
+	if l := b.Leftovers(); len(l) < 3 {
+		t.Errorf("Leftovers with a box open: %q, want its cgroup, directory and processes", l)
+	}
 	r := shell(t, sb, "id; pwd; cat /proc/self/status | grep -i -E '^(cap|nonewpriv)'; ls /; cat /etc/passwd")
 	t.Logf("%+v", r)
+	sb.Close()
+	if l := b.Leftovers(); len(l) > 0 {
+		t.Errorf("Leftovers after Close: %q", l)
+	}
 }
 
 // TestRestoredBoxesAreIndependent checks that boxes restored from one
@@ -228,8 +243,8 @@ func TestRestoredBoxesAreIndependent(t *testing.T) {
 }
 
 // TestTeardown checks that nothing outlives a box however it ends: a
-// Create whose context ends before the hello, a box whose agent is killed
-// from inside, and boxes still open when the backend closes (the cleanup of
+// Create whose context ends before the hello, a box whose sandbox is killed
+// on the host, and boxes still open when the backend closes (the cleanup of
 // newTestBackend looks for processes, mounts, cgroups and directories).
 func TestTeardown(t *testing.T) {
 	b := newTestBackend(t, Options{Cold: true})
@@ -244,15 +259,24 @@ func TestTeardown(t *testing.T) {
 
 	ctx, cancel = context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	sb, err := b.Create(ctx, sandbox.Spec{ID: "test-suicide"})
+	sb, err := b.Create(ctx, sandbox.Spec{ID: "test-killed"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	sb.RunShell(ctx, "kill -9 1", sandbox.ExecOptions{})
+	// Code cannot kill the agent (another user); the host can kill the box.
+	if r := shell(t, sb, "kill -9 1 2>&1; echo alive"); !strings.Contains(r.Out, "alive") {
+		t.Fatalf("code killed the agent: %+v", r)
+	}
+	out, _ := exec.Command("pgrep", "-f", "runsc-sandbox .*"+b.dir).Output()
+	if len(strings.Fields(string(out))) != 1 {
+		t.Fatalf("want one sandbox process of %s, found %q", b.dir, out)
+	}
+	pid, _ := strconv.Atoi(strings.TrimSpace(string(out)))
+	syscall.Kill(pid, syscall.SIGKILL)
 	select {
 	case <-sb.Done():
 	case <-ctx.Done():
-		t.Fatal("the box did not die with its agent")
+		t.Fatal("the box did not end with its sandbox process")
 	}
 	if err := sb.Close(); err != nil {
 		t.Errorf("Close of a dead box: %v", err)
@@ -267,15 +291,18 @@ func TestTeardown(t *testing.T) {
 // TestSweep: a new backend destroys the boxes of a kiln process that died.
 func TestSweep(t *testing.T) {
 	state := t.TempDir()
+	// Pose as a process that is gone: the stamp matches no live process.
+	gone := exec.Command("true")
+	if err := gone.Run(); err != nil {
+		t.Fatal(err)
+	}
+	selfOwner = func() boxkit.Owner { return boxkit.Owner{PID: gone.Process.Pid, Start: 1} }
 	dead := newTestBackend(t, Options{Cold: true, StateDir: state})
+	selfOwner = boxkit.Self
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	sb, err := dead.Create(ctx, sandbox.Spec{ID: "test-orphan"})
 	if err != nil {
-		t.Fatal(err)
-	}
-	// Pretend its owner died: the stamp no longer matches a live process.
-	if err := os.WriteFile(filepath.Join(dead.dir, "owner"), []byte("1 0"), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	fresh := newTestBackend(t, Options{Cold: true, StateDir: state})

@@ -5,6 +5,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -12,44 +13,21 @@ import (
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 
 	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/boxplan"
 )
 
-// Paths inside every box.
-const (
-	agentPath = "/.kiln/kiln-agent" // the agent binary, bound read-only
-	workDir   = "/work"             // the workspace: a size-capped tmpfs
-	tmpDir    = "/tmp"
-)
+// A box's paths, runtime, /etc, tmpfs sizes, rlimits and environment are
+// the box plan (package boxplan), the jail's too; buildSpec renders it as
+// OCI, buildHostRoot writes its /etc.
 
-// hostRuntimeDirs are the host directories a box built from the host runtime
-// sees, read-only. A directory that is a symlink on the host (usrmerge) is a
-// symlink in the box too.
-var hostRuntimeDirs = []string{"/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"}
-
-// hostEtc lists the host /etc entries copied into a host-runtime box's own
-// /etc: what the dynamic loader, python and its common libraries read, and
-// nothing that holds a secret. numpy finds its BLAS through alternatives;
-// matplotlib reads matplotlibrc and fontconfig. Symlinks are copied as
-// links, never followed.
-var hostEtc = []string{
-	"ld.so.cache", "ld.so.conf", "ld.so.conf.d",
-	"alternatives",
-	"fonts", "matplotlibrc",
-	"mime.types", "localtime", "timezone",
-	"ssl/certs", "ssl/openssl.cnf", "ca-certificates.conf",
-	"python3", "python3.11", "python3.12", "python3.13",
-}
-
-// synthEtc is written into a host-runtime box's /etc instead of the host's.
-// The box's user is added to passwd and group when it is not nobody.
-var synthEtc = map[string]string{
-	"passwd":        "root:x:0:0:root:/root:/usr/sbin/nologin\nnobody:x:65534:65534:nobody:/work:/usr/sbin/nologin\n",
-	"group":         "root:x:0:\nnogroup:x:65534:\n",
-	"hosts":         "127.0.0.1\tlocalhost kiln\n::1\tlocalhost ip6-localhost ip6-loopback\n",
-	"hostname":      "kiln\n",
-	"nsswitch.conf": "passwd: files\ngroup: files\nhosts: files dns\n",
-	"resolv.conf":   "",
-}
+// agentCaps are the capabilities of kiln-agent, the box's first process,
+// which runs as root of the box so that code (started as the box's user)
+// cannot signal it, ptrace it, or reopen its stream through /proc: setuid
+// and setgid to start code as that user, kill to stop and interrupt it, and
+// chown and dac_override for the file tools, which read what code keeps
+// private and give what they write to code's user. Code starts with none:
+// the change of uid clears them, no_new_privs keeps them off.
+var agentCaps = []string{"CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_KILL", "CAP_SETGID", "CAP_SETUID"}
 
 // boxConfig is what one box's OCI spec is made from.
 type boxConfig struct {
@@ -58,7 +36,7 @@ type boxConfig struct {
 	HostDirs   []hostDir
 	Limits     sandbox.Limits // with defaults applied
 	Preload    []string
-	UID, GID   uint32
+	UID, GID   uint32 // the code's user; the agent runs as root of the box
 	CgroupPath string
 }
 
@@ -82,28 +60,41 @@ const sentryMemSlack = 64 << 20
 // runsc to differ between checkpoint and restore.
 func buildSpec(c boxConfig) *specs.Spec {
 	l := c.Limits
-	// -preload always: the agent's own default is not the Spec's.
-	args := []string{agentPath, "-workspace=" + workDir, "-preload=" + strings.Join(c.Preload, ",")}
+	plan := boxplan.New(boxplan.Limits{
+		WorkspaceBytes: l.WorkspaceBytes,
+		TmpBytes:       l.TmpBytes,
+		Inodes:         l.Inodes,
+		Pids:           l.Pids,
+		OpenFiles:      l.OpenFiles,
+	}, int(c.UID), int(c.GID))
+	// -preload always: the agent's own default is not the Spec's. The
+	// agent runs as root of the box and starts code as the box's user.
+	args := []string{boxplan.AgentPath, "-workspace=" + plan.Workspace, "-preload=" + strings.Join(c.Preload, ","),
+		"-uid=" + strconv.FormatUint(uint64(c.UID), 10), "-gid=" + strconv.FormatUint(uint64(c.GID), 10)}
 	roBind := []string{"rbind", "ro", "nosuid", "nodev"}
+	tmpfs := map[string]specs.Mount{}
+	for _, t := range plan.Tmpfs {
+		tmpfs[t.Path] = tmpfsMount(t)
+	}
+	shm := tmpfs[boxplan.DevShm]
+	shm.Options = append(shm.Options, "noexec")
 	mounts := []specs.Mount{
 		{Destination: "/proc", Type: "proc", Source: "proc"},
 		{Destination: "/dev", Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "strictatime", "mode=755", "size=65536k"}},
 		{Destination: "/dev/pts", Type: "devpts", Source: "devpts", Options: []string{"nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"}},
-		{Destination: "/dev/shm", Type: "tmpfs", Source: "shm", Options: []string{"nosuid", "noexec", "nodev", "mode=1777", "size=" + strconv.FormatInt(l.TmpBytes, 10)}},
+		shm,
 		{Destination: "/sys", Type: "sysfs", Source: "sysfs", Options: []string{"nosuid", "noexec", "nodev", "ro"}},
 	}
 	for _, d := range c.HostDirs {
 		mounts = append(mounts, specs.Mount{Destination: d.Path, Type: "bind", Source: d.Path, Options: roBind})
 	}
 	mounts = append(mounts,
-		specs.Mount{Destination: agentPath, Type: "bind", Source: c.Agent, Options: roBind},
-		specs.Mount{Destination: workDir, Type: "tmpfs", Source: "tmpfs", Options: []string{
-			"nosuid", "nodev", "mode=0755",
-			"uid=" + strconv.FormatUint(uint64(c.UID), 10), "gid=" + strconv.FormatUint(uint64(c.GID), 10),
-			"size=" + strconv.FormatInt(l.WorkspaceBytes, 10)}},
-		specs.Mount{Destination: tmpDir, Type: "tmpfs", Source: "tmpfs", Options: []string{
-			"nosuid", "nodev", "mode=1777", "size=" + strconv.FormatInt(l.TmpBytes, 10)}},
-	)
+		specs.Mount{Destination: boxplan.AgentPath, Type: "bind", Source: c.Agent, Options: roBind},
+		tmpfs[boxplan.Workspace], tmpfs[boxplan.Tmp])
+	var rlimits []specs.POSIXRlimit
+	for _, r := range plan.Rlimits {
+		rlimits = append(rlimits, specs.POSIXRlimit{Type: r.Name, Hard: r.Value, Soft: r.Value})
+	}
 	period := uint64(100000)
 	quota := int64(l.CPUs * float64(period))
 	pids := int64(l.Pids) + hostPidsSlack
@@ -112,26 +103,20 @@ func buildSpec(c boxConfig) *specs.Spec {
 		Version: specs.Version,
 		Process: &specs.Process{
 			Terminal: false,
-			User:     specs.User{UID: c.UID, GID: c.GID},
+			User:     specs.User{UID: 0, GID: 0},
 			Args:     args,
-			Env: []string{
-				"PATH=/usr/local/bin:/usr/bin:/bin",
-				"HOME=" + workDir,
-				"TMPDIR=" + tmpDir,
-				"LANG=C.UTF-8",
-				"MPLBACKEND=Agg",
+			Env:      append(slices.Clone(plan.Env), boxplan.UserEnv(int(c.UID))...),
+			Cwd:      plan.Workspace,
+			Capabilities: &specs.LinuxCapabilities{
+				Bounding:  agentCaps,
+				Effective: agentCaps,
+				Permitted: agentCaps,
 			},
-			Cwd:          workDir,
-			Capabilities: &specs.LinuxCapabilities{},
-			Rlimits: []specs.POSIXRlimit{
-				{Type: "RLIMIT_NOFILE", Hard: uint64(l.OpenFiles), Soft: uint64(l.OpenFiles)},
-				{Type: "RLIMIT_NPROC", Hard: uint64(l.Pids), Soft: uint64(l.Pids)},
-				{Type: "RLIMIT_CORE", Hard: 0, Soft: 0},
-			},
+			Rlimits:         rlimits,
 			NoNewPrivileges: true,
 		},
 		Root:     &specs.Root{Path: c.Root, Readonly: true},
-		Hostname: "kiln",
+		Hostname: plan.Hostname,
 		Mounts:   mounts,
 		Linux: &specs.Linux{
 			Namespaces: []specs.LinuxNamespace{
@@ -145,38 +130,68 @@ func buildSpec(c boxConfig) *specs.Spec {
 			},
 			CgroupsPath:   c.CgroupPath,
 			Seccomp:       seccompSpec(),
-			MaskedPaths:   []string{"/proc/kcore", "/proc/keys", "/proc/timer_list", "/sys/firmware"},
+			MaskedPaths:   maskedPaths(plan),
 			ReadonlyPaths: []string{"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"},
 		},
 	}
 }
 
-// seccompSpec is the box's syscall policy (sandbox.DeniedSyscalls and the
-// rest, the jail's too) as an OCI seccomp section. gVisor's kernel applies
-// it to the box's processes; runsc reads it only with --oci-seccomp. The
-// host kernel never sees these syscalls, but each refused one is a part of
-// the sentry the box cannot reach (its user and mount namespaces, io_uring,
-// keys).
+// maskedPaths are the plan's masks over /proc, and /sys/firmware.
+func maskedPaths(p boxplan.Plan) []string {
+	var out []string
+	for _, m := range p.ProcMasks {
+		out = append(out, "/proc/"+m)
+	}
+	return append(out, "/sys/firmware")
+}
+
+// tmpfsMount is one of the plan's tmpfs, without its inode cap, which
+// gVisor's tmpfs refuses.
+func tmpfsMount(t boxplan.Tmpfs) specs.Mount {
+	opts := []string{"nosuid", "nodev", "mode=" + t.Mode}
+	if t.UID >= 0 {
+		opts = append(opts, "uid="+strconv.Itoa(t.UID), "gid="+strconv.Itoa(t.GID))
+	}
+	return specs.Mount{Destination: t.Path, Type: "tmpfs", Source: "tmpfs", Options: append(opts, "size="+strconv.FormatInt(t.Size, 10))}
+}
+
+// seccompSpec is the box's syscall policy (sandbox.SyscallPolicy, the
+// jail's too) as an OCI seccomp section, rule for rule: runsc, like the
+// jail's filter, takes the first rule of a syscall that matches. gVisor's
+// kernel applies it to the box's processes; runsc reads it only with
+// --oci-seccomp. The host kernel never sees these syscalls, but each
+// refused one is a part of the sentry the box cannot reach (its user and
+// mount namespaces, io_uring, keys, other socket families).
 //
 // runsc answers every SCMP_ACT_ERRNO with EPERM whatever errnoRet says, so
-// the absent syscalls (clone3) take SCMP_ACT_TRACE instead: with no tracer
-// the syscall fails with ENOSYS, and there is none, since ptrace is denied.
-// libc then falls back to clone(2), where the namespace flags are visible.
+// what the policy makes absent (clone3, and every syscall it does not
+// name) takes SCMP_ACT_TRACE instead: with no tracer the syscall fails with
+// ENOSYS, and there is none, since ptrace is denied. libc then falls back,
+// from clone3 to clone(2), where the namespace flags are visible. Argument
+// checks are masked compares (runsc's MaskedEqual takes the mask in Value
+// and the expected bits in ValueTwo). An i386 (int 0x80) or x32-numbered
+// call ends in ENOSYS under gVisor (the hostile battery checks both), and
+// runsc's program kills a thread whose call claims another architecture.
 func seccompSpec() *specs.LinuxSeccomp {
 	eperm := uint(syscall.EPERM)
-	sys := []specs.LinuxSyscall{{Names: sandbox.DeniedSyscalls, Action: specs.ActErrno, ErrnoRet: &eperm}}
-	// One rule per flag: runsc ANDs the conditions of one rule.
-	for _, flag := range sandbox.DeniedCloneFlags {
-		sys = append(sys, specs.LinuxSyscall{Names: []string{"clone"}, Action: specs.ActErrno, ErrnoRet: &eperm,
-			Args: []specs.LinuxSeccompArg{{Index: 0, Value: flag, ValueTwo: flag, Op: specs.OpMaskedEqual}}})
+	var sys []specs.LinuxSyscall
+	for _, r := range sandbox.SyscallPolicy {
+		s := specs.LinuxSyscall{Names: r.Names}
+		switch r.Action {
+		case sandbox.Allow:
+			s.Action = specs.ActAllow
+		case sandbox.Deny:
+			s.Action, s.ErrnoRet = specs.ActErrno, &eperm
+		default:
+			s.Action = specs.ActTrace
+		}
+		for _, c := range r.Args {
+			s.Args = append(s.Args, specs.LinuxSeccompArg{Index: c.Index, Value: c.Mask, ValueTwo: c.Value, Op: specs.OpMaskedEqual})
+		}
+		sys = append(sys, s)
 	}
-	sys = append(sys,
-		specs.LinuxSyscall{Names: []string{"socket"}, Action: specs.ActErrno, ErrnoRet: &eperm,
-			Args: []specs.LinuxSeccompArg{{Index: 0, Value: sandbox.AFPacket, Op: specs.OpEqualTo}}},
-		specs.LinuxSyscall{Names: sandbox.AbsentSyscalls, Action: specs.ActTrace},
-	)
 	return &specs.LinuxSeccomp{
-		DefaultAction: specs.ActAllow,
+		DefaultAction: specs.ActTrace,
 		Architectures: []specs.Arch{specs.ArchX86_64, specs.ArchAARCH64},
 		Syscalls:      sys,
 	}

@@ -27,9 +27,9 @@ var _ sandboxtest.LeakChecker = (*jail.Backend)(nil)
 // boxPids lists the host pids in this server's box cgroups.
 func boxPids(t *testing.T) []int {
 	t.Helper()
-	groups, _ := filepath.Glob(fmt.Sprintf("/sys/fs/cgroup/pids/kiln/%d.*/cgroup.procs", os.Getpid()))
+	groups, _ := filepath.Glob(fmt.Sprintf("/sys/fs/cgroup/pids/kiln/%d/*/cgroup.procs", os.Getpid()))
 	if len(groups) == 0 {
-		groups, _ = filepath.Glob(fmt.Sprintf("/sys/fs/cgroup/kiln/%d.*/cgroup.procs", os.Getpid()))
+		groups, _ = filepath.Glob(fmt.Sprintf("/sys/fs/cgroup/kiln/%d/*/cgroup.procs", os.Getpid()))
 	}
 	var pids []int
 	for _, g := range groups {
@@ -116,13 +116,29 @@ func TestKilledMidCall(t *testing.T) {
 	}
 }
 
-// TestServerKilled kills `kiln mcp` with SIGKILL mid-call: its boxes die
-// with it (Pdeathsig), and the next kiln to start removes the cgroups and
+// TestServerKilled kills `kiln mcp` with SIGKILL mid-call, with the zygote
+// and without, and with every process of its boxes stopped first (a box
+// wedged by its own code cannot notice its stream closing): its boxes die
+// with it all the same, and the next kiln to start removes the cgroups and
 // mount points it left.
 func TestServerKilled(t *testing.T) {
-	b := newBackend(t)
-	_ = b
-	srv := sandboxtest.StartStdio(t, "--pool", "1", "--preload", "")
+	newBackend(t)
+	for _, c := range []struct {
+		name   string
+		zygote bool
+		wedge  bool
+	}{
+		{"zygote", true, false},
+		{"zygote, box stopped", true, true},
+		{"direct", false, false},
+		{"direct, box stopped", false, true},
+	} {
+		t.Run(c.name, func(t *testing.T) { serverKilled(t, c.zygote, c.wedge) })
+	}
+}
+
+func serverKilled(t *testing.T, zygote, wedge bool) {
+	srv := sandboxtest.StartStdio(t, "--pool", "1", "--preload", "", "--zygote="+strconv.FormatBool(zygote))
 	srv.Initialize(t)
 	marker := "server-killed-" + strconv.Itoa(6000000+os.Getpid()%100000)
 	srv.Send(t, `{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"run_shell","arguments":{"command":"(exec -a `+marker+` sleep 600) & wait","timeout_s":300}}}`)
@@ -130,7 +146,7 @@ func TestServerKilled(t *testing.T) {
 	pid := srv.Cmd.Process.Pid
 	owned := func() []string {
 		var out []string
-		for _, pat := range []string{"/sys/fs/cgroup/*/kiln/%d.*", "/sys/fs/cgroup/kiln/%d.*", filepath.Join(os.TempDir(), "kiln-jail", "root-%d-*")} {
+		for _, pat := range []string{"/sys/fs/cgroup/*/kiln/%d", "/sys/fs/cgroup/kiln/%d", filepath.Join(os.TempDir(), "kiln-jail", "root-%d.*")} {
 			m, _ := filepath.Glob(fmt.Sprintf(pat, pid))
 			out = append(out, m...)
 		}
@@ -138,6 +154,24 @@ func TestServerKilled(t *testing.T) {
 	}
 	if len(owned()) == 0 {
 		t.Fatalf("the server owns no cgroup or mount point; the check is blind")
+	}
+	if wedge {
+		procs, _ := filepath.Glob(fmt.Sprintf("/sys/fs/cgroup/pids/kiln/%d/*/cgroup.procs", pid))
+		v2, _ := filepath.Glob(fmt.Sprintf("/sys/fs/cgroup/kiln/%d/*/cgroup.procs", pid))
+		stopped := 0
+		for _, f := range append(procs, v2...) {
+			b, _ := os.ReadFile(f)
+			for _, p := range strings.Fields(string(b)) {
+				if n, err := strconv.Atoi(p); err == nil && syscall.Kill(n, syscall.SIGSTOP) == nil {
+					stopped++
+					// Whatever the outcome, nothing stopped here outlives the test.
+					t.Cleanup(func() { syscall.Kill(n, syscall.SIGKILL) })
+				}
+			}
+		}
+		if stopped == 0 {
+			t.Fatalf("stopped no process of the server's boxes; the check is blind")
+		}
 	}
 	srv.Cmd.Process.Kill()
 	srv.Cmd.Wait()

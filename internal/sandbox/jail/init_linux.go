@@ -2,21 +2,18 @@ package jail
 
 import (
 	"encoding/json"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"runtime"
-	"strconv"
 	"syscall"
 	"unsafe"
 
-	seccomp "github.com/elastic/go-seccomp-bpf"
 	"github.com/landlock-lsm/go-landlock/landlock"
 	llsys "github.com/landlock-lsm/go-landlock/landlock/syscall"
 	"golang.org/x/sys/unix"
 
-	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/boxplan"
 )
 
 // InitArg is the hidden first argument with which kiln re-executes itself
@@ -26,18 +23,12 @@ const InitArg = "__kiln_jail_init"
 
 // initConfig travels from the host to the init over fd 3.
 type initConfig struct {
-	Root       string   `json:"root"`  // empty host directory to build the root on
-	Agent      string   `json:"agent"` // host path of kiln-agent
-	AgentArgs  []string `json:"agent_args"`
-	Env        []string `json:"env"`
-	Hostname   string   `json:"hostname"`
-	ResolvConf string   `json:"resolv_conf"`
-	Rootless   bool     `json:"rootless"` // only uid 0 is mapped: stay 0, without capabilities
-	Workspace  int64    `json:"workspace"`
-	Tmp        int64    `json:"tmp"`
-	Inodes     int      `json:"inodes"`
-	Pids       int      `json:"pids"`
-	OpenFiles  int      `json:"open_files"`
+	Root       string       `json:"root"`  // empty host directory to build the root on
+	Agent      string       `json:"agent"` // host path of kiln-agent
+	AgentArgs  []string     `json:"agent_args"`
+	Plan       boxplan.Plan `json:"plan"` // the box's mounts, limits, rules and environment
+	ResolvConf string       `json:"resolv_conf"`
+	Rootless   bool         `json:"rootless"` // only uid 0 is mapped: stay 0, without capabilities
 }
 
 // MaybeInit runs the box init and never returns when the process was
@@ -99,7 +90,7 @@ func prepare(steps []initStep) (*initConfig, error) {
 
 func execAgent(cfg *initConfig) error {
 	argv := append([]string{"kiln-agent"}, cfg.AgentArgs...)
-	return fmt.Errorf("executing agent: %w", unix.Exec("/.kiln/agent", argv, cfg.Env))
+	return fmt.Errorf("executing agent: %w", unix.Exec(boxplan.AgentPath, argv, cfg.Plan.Env))
 }
 
 func mount(src, dst, fstype string, flags uintptr, data string) error {
@@ -153,20 +144,6 @@ func bindHost(root, src string) error {
 	return bindRO(src, dst)
 }
 
-func tmpfs(dst string, size int64, inodes int, mode string, owner int) error {
-	if err := os.MkdirAll(dst, 0o755); err != nil {
-		return err
-	}
-	opts := "mode=" + mode + ",size=" + strconv.FormatInt(size, 10)
-	if inodes > 0 {
-		opts += ",nr_inodes=" + strconv.Itoa(inodes)
-	}
-	if owner >= 0 {
-		opts += ",uid=" + strconv.Itoa(owner) + ",gid=" + strconv.Itoa(owner)
-	}
-	return mount("tmpfs", dst, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, opts)
-}
-
 func buildRoot(cfg *initConfig) error {
 	root := cfg.Root
 	if err := mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
@@ -175,7 +152,7 @@ func buildRoot(cfg *initConfig) error {
 	if err := mount("tmpfs", root, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "mode=755,size=4m"); err != nil {
 		return err
 	}
-	for _, d := range runtimeDirs {
+	for _, d := range boxplan.RuntimeDirs {
 		st, err := os.Lstat(d)
 		switch {
 		case err != nil:
@@ -199,12 +176,13 @@ func buildRoot(cfg *initConfig) error {
 	if err := os.MkdirAll(etc, 0o755); err != nil {
 		return err
 	}
-	for name, content := range etcFiles(cfg.Hostname, cfg.ResolvConf) {
+	for name, content := range boxplan.Etc(cfg.Plan.Hostname, cfg.ResolvConf, boxUID, boxGID) {
 		if err := os.WriteFile(filepath.Join(etc, name), []byte(content), 0o644); err != nil {
 			return err
 		}
 	}
-	for _, p := range etcFromHost {
+	for _, name := range boxplan.EtcFromHost {
+		p := filepath.Join("/etc", name)
 		if err := bindHost(root, p); err != nil {
 			return fmt.Errorf("binding %s: %w", p, err)
 		}
@@ -220,17 +198,20 @@ func buildRoot(cfg *initConfig) error {
 	if err := bindRO(filepath.Join(procDir, "sys"), filepath.Join(procDir, "sys")); err != nil {
 		return err
 	}
-	for _, p := range []string{"sysrq-trigger", "kcore", "timer_list", "keys"} {
+	for _, p := range cfg.Plan.ProcMasks {
 		if _, err := os.Stat(filepath.Join(procDir, p)); err == nil {
 			mount("/dev/null", filepath.Join(procDir, p), "", unix.MS_BIND, "")
 		}
 	}
 	// /dev: a few nodes bound from the host, and a size-capped /dev/shm.
 	dev := filepath.Join(root, "dev")
-	if err := tmpfs(dev, 64<<10, 64, "755", -1); err != nil {
+	if err := os.MkdirAll(dev, 0o755); err != nil {
 		return err
 	}
-	for _, n := range devNodes {
+	if err := mount("tmpfs", dev, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "mode=755,size=65536,nr_inodes=64"); err != nil {
+		return err
+	}
+	for _, n := range boxplan.DevNodes {
 		dst := filepath.Join(dev, n)
 		if err := touch(dst); err != nil {
 			return err
@@ -244,21 +225,18 @@ func buildRoot(cfg *initConfig) error {
 			return err
 		}
 	}
-	if err := tmpfs(filepath.Join(dev, "shm"), 64<<20, 1024, "1777", -1); err != nil {
-		return err
-	}
-	owner := boxUID
-	if cfg.Rootless {
-		owner = 0
-	}
-	if err := tmpfs(filepath.Join(root, "work"), cfg.Workspace, cfg.Inodes, "755", owner); err != nil {
-		return err
-	}
-	if err := tmpfs(filepath.Join(root, "tmp"), cfg.Tmp, cfg.Inodes, "1777", -1); err != nil {
-		return err
+	// The workspace, /tmp and /dev/shm.
+	for _, t := range cfg.Plan.Tmpfs {
+		dst := filepath.Join(root, t.Path)
+		if err := os.MkdirAll(dst, 0o755); err != nil {
+			return err
+		}
+		if err := mount("tmpfs", dst, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, t.Options()); err != nil {
+			return err
+		}
 	}
 	// The agent binary, read-only.
-	agentDst := filepath.Join(root, ".kiln", "agent")
+	agentDst := filepath.Join(root, boxplan.AgentPath)
 	if err := os.MkdirAll(filepath.Dir(agentDst), 0o755); err != nil {
 		return err
 	}
@@ -286,7 +264,7 @@ func enterRoot(cfg *initConfig) error {
 	if err := mount("", "/", "", unix.MS_REMOUNT|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV, ""); err != nil {
 		return err
 	}
-	if err := unix.Sethostname([]byte(cfg.Hostname)); err != nil {
+	if err := unix.Sethostname([]byte(cfg.Plan.Hostname)); err != nil {
 		return err
 	}
 	// Own cgroup namespace: the host put us in the box's cgroup already,
@@ -313,94 +291,121 @@ func setupNetwork(cfg *initConfig) error {
 }
 
 func setRlimits(cfg *initConfig) error {
-	limits := []struct {
-		res int
-		val uint64
-	}{
-		{unix.RLIMIT_CORE, 0},
-		{unix.RLIMIT_NOFILE, uint64(cfg.OpenFiles)},
-		{unix.RLIMIT_NPROC, uint64(cfg.Pids)},
-	}
-	for _, l := range limits {
-		if err := unix.Setrlimit(l.res, &unix.Rlimit{Cur: l.val, Max: l.val}); err != nil {
-			return fmt.Errorf("rlimit %d: %w", l.res, err)
+	for _, l := range cfg.Plan.Rlimits {
+		res, ok := rlimitResources[l.Name]
+		if !ok {
+			return fmt.Errorf("unknown rlimit %s", l.Name)
+		}
+		if err := unix.Setrlimit(res, &unix.Rlimit{Cur: l.Value, Max: l.Value}); err != nil {
+			return fmt.Errorf("%s: %w", l.Name, err)
 		}
 	}
 	return nil
 }
 
-// dropPrivileges empties the capability bounding set and becomes the
-// unprivileged box user, so nothing exec'd afterwards can hold a capability.
+// rlimitResources are the resource numbers of the plan's rlimits.
+var rlimitResources = map[string]int{
+	"RLIMIT_CORE":   unix.RLIMIT_CORE,
+	"RLIMIT_NOFILE": unix.RLIMIT_NOFILE,
+	"RLIMIT_NPROC":  unix.RLIMIT_NPROC,
+}
+
+// dropPrivileges leaves the init, and the agent it execs, root of the box's
+// user namespace with only agentCaps (permitted, effective and inheritable
+// sets, which a root exec keeps; an empty bounding set, nothing ambient)
+// and no_new_privs: the agent runs as
+// a different uid from the code it starts as boxUID with no capability at
+// all, so code can neither signal, trace nor read it. Rootless, only uid 0
+// is mapped: agent and code share it, and nothing keeps a capability.
 func dropPrivileges(cfg *initConfig) error {
-	for c := 0; c <= 63; c++ {
-		if err := unix.Prctl(unix.PR_CAPBSET_DROP, uintptr(c), 0, 0, 0); err != nil && !errors.Is(err, unix.EINVAL) {
-			return fmt.Errorf("dropping capability %d: %w", c, err)
-		}
+	keep := boxplan.CapMask(agentCaps)
+	if cfg.Rootless {
+		keep = 0
 	}
-	if err := unix.Prctl(unix.PR_CAP_AMBIENT, unix.PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0); err != nil {
+	if err := boxplan.LimitCaps(keep); err != nil {
 		return err
-	}
-	if !cfg.Rootless {
-		// Raw syscalls on this locked thread: it is the one that execs.
-		if _, _, e := unix.RawSyscall(unix.SYS_SETRESGID, boxGID, boxGID, boxGID); e != 0 {
-			return fmt.Errorf("setresgid: %w", e)
-		}
-		if _, _, e := unix.RawSyscall(unix.SYS_SETRESUID, boxUID, boxUID, boxUID); e != 0 {
-			return fmt.Errorf("setresuid: %w", e)
-		}
-	}
-	// Clear whatever capabilities remain on this thread.
-	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
-	var data [2]unix.CapUserData
-	if err := unix.Capset(&hdr, &data[0]); err != nil {
-		return fmt.Errorf("capset: %w", err)
 	}
 	return unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
 }
 
-func restrictFS(cfg *initConfig) error {
-	ro := []string{"/etc", "/proc", "/dev", "/.kiln"}
-	for _, d := range runtimeDirs {
-		if st, err := os.Lstat(d); err == nil && st.IsDir() {
-			ro = append(ro, d)
+// becomeTemplateUser makes a zygote template's init the unprivileged host
+// uid uidBase holding only templateCaps, in the host's user namespace, as
+// ambient capabilities so that they survive the execs into kiln-agent and
+// python. Raw syscalls on this locked thread: it is the one that execs.
+func becomeTemplateUser(cfg *initConfig) error {
+	keep := boxplan.CapMask(templateCaps)
+	if err := boxplan.DropBounding(keep); err != nil {
+		return err
+	}
+	if err := unix.Prctl(unix.PR_SET_KEEPCAPS, 1, 0, 0, 0); err != nil {
+		return fmt.Errorf("keeping capabilities: %w", err)
+	}
+	if _, _, e := unix.RawSyscall(unix.SYS_SETGROUPS, 0, 0, 0); e != 0 {
+		return fmt.Errorf("setgroups: %w", e)
+	}
+	if _, _, e := unix.RawSyscall(unix.SYS_SETRESGID, uidBase, uidBase, uidBase); e != 0 {
+		return fmt.Errorf("setresgid: %w", e)
+	}
+	if _, _, e := unix.RawSyscall(unix.SYS_SETRESUID, uidBase, uidBase, uidBase); e != 0 {
+		return fmt.Errorf("setresuid: %w", e)
+	}
+	if err := boxplan.SetCaps(keep, keep); err != nil {
+		return err
+	}
+	for _, c := range templateCaps {
+		if err := unix.Prctl(unix.PR_CAP_AMBIENT, unix.PR_CAP_AMBIENT_RAISE, c, 0, 0); err != nil {
+			return fmt.Errorf("raising ambient capability %d: %w", c, err)
 		}
 	}
-	return landlock.V5.BestEffort().RestrictPaths(
-		landlock.RODirs(ro...),
-		// Listing / shows only the box's own mounts; reading what is
-		// under it is governed by the rules above.
-		landlock.PathAccess(llsys.AccessFSReadDir, "/"),
-		landlock.RWDirs("/work", "/tmp", "/dev/shm"),
-		landlock.RWFiles("/dev/null", "/dev/zero", "/dev/full"),
-	)
+	return unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
 }
 
-func seccompFilter() seccomp.Filter {
-	var cond []seccomp.NameWithConditions
-	for _, flag := range sandbox.DeniedCloneFlags {
-		cond = append(cond, seccomp.NameWithConditions{Name: "clone", Conditions: []seccomp.Condition{{Argument: 0, Operation: seccomp.BitsSet, Value: flag}}})
+// restrictFS enters the plan's Landlock rules, best effort: on a kernel
+// without Landlock, or with an older ABI, what it cannot enforce is left
+// out (the other layers still hold).
+func restrictFS(cfg *initConfig) error {
+	rules := make([]landlock.Rule, 0, len(cfg.Plan.Landlock))
+	for _, r := range cfg.Plan.Landlock {
+		switch r.Access {
+		case boxplan.ListDir:
+			rules = append(rules, landlock.PathAccess(llsys.AccessFSReadDir, r.Path))
+		case boxplan.ReadDir:
+			rules = append(rules, landlock.RODirs(r.Path))
+		case boxplan.ReadWriteDir:
+			rules = append(rules, landlock.RWDirs(r.Path))
+		case boxplan.ReadWriteFile:
+			rules = append(rules, landlock.RWFiles(r.Path))
+		default:
+			return fmt.Errorf("unknown landlock access %d for %s", r.Access, r.Path)
+		}
 	}
-	cond = append(cond,
-		seccomp.NameWithConditions{Name: "socket", Conditions: []seccomp.Condition{{Argument: 0, Operation: seccomp.Equal, Value: sandbox.AFPacket}}},
-	)
-	return seccomp.Filter{
-		NoNewPrivs: true,
-		Flag:       seccomp.FilterFlagTSync,
-		Policy: seccomp.Policy{
-			DefaultAction: seccomp.ActionAllow,
-			Syscalls: []seccomp.SyscallGroup{
-				{Action: seccomp.ActionErrno, Names: sandbox.DeniedSyscalls},
-				{Action: seccomp.ActionErrno, NamesWithCondtions: cond},
-				// clone3 passes its flags in memory, out of the filter's
-				// reach: say it does not exist, and libc falls back to clone.
-				{Action: seccomp.ActionErrno | seccomp.Action(unix.ENOSYS), Names: sandbox.AbsentSyscalls},
-			},
-		},
-	}
+	return landlock.V5.BestEffort().RestrictPaths(rules...)
 }
 
+// loadSeccomp sets no_new_privs and loads the box's seccomp program
+// (seccomp.go) on every thread of the init; kiln-agent is exec'd under it.
 func loadSeccomp(cfg *initConfig) error {
-	return seccomp.LoadFilter(seccompFilter())
+	raw, err := seccompRaw()
+	if err != nil {
+		return err
+	}
+	filter := make([]unix.SockFilter, len(raw))
+	for i, r := range raw {
+		filter[i] = unix.SockFilter{Code: r.Op, Jt: r.Jt, Jf: r.Jf, K: r.K}
+	}
+	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
+		return fmt.Errorf("setting no_new_privs: %w", err)
+	}
+	prog := unix.SockFprog{Len: uint16(len(filter)), Filter: &filter[0]}
+	r, _, errno := unix.Syscall(unix.SYS_SECCOMP, unix.SECCOMP_SET_MODE_FILTER, unix.SECCOMP_FILTER_FLAG_TSYNC, uintptr(unsafe.Pointer(&prog)))
+	runtime.KeepAlive(filter)
+	if errno != 0 {
+		return fmt.Errorf("loading filter: %w", errno)
+	}
+	if r != 0 {
+		return fmt.Errorf("loading filter: thread %d could not be synchronized", r)
+	}
+	return nil
 }
 
 var _ = unsafe.Pointer(nil)

@@ -10,9 +10,11 @@ import (
 	"log/slog"
 
 	"kiln/internal/egress"
+	"kiln/internal/sandbox"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"time"
 )
 
 // Options configure the backend. Zero values mean defaults.
@@ -36,11 +38,26 @@ type Options struct {
 	Policy egress.Policy
 	// Zygote forks boxes from a template python that has imported the
 	// preloaded modules, instead of starting python in each (Linux, root,
-	// cgroups; not yet with Egress). KILN_JAIL_ZYGOTE=1 or 0 in the
-	// environment overrides it.
+	// cgroups; not yet with Egress).
 	Zygote bool
-	Logger *slog.Logger
+	// ZygoteMaxBoxes and ZygoteMaxAge bound how many boxes one template
+	// serves and for how long before a fresh one, started in the
+	// background, replaces it (boxes of one template share its addresses
+	// and secrets). 0: DefaultZygoteMaxBoxes, DefaultZygoteMaxAge;
+	// negative: no bound.
+	ZygoteMaxBoxes int
+	ZygoteMaxAge   time.Duration
+	// AllBoxes limits this server's boxes together (memory and pids): a
+	// cgroup holds every box's group. Zero fields mean no such limit.
+	AllBoxes sandbox.Limits
+	Logger   *slog.Logger
 }
+
+// Bounds of one zygote template (Options.ZygoteMaxBoxes, ZygoteMaxAge).
+const (
+	DefaultZygoteMaxBoxes = 500
+	DefaultZygoteMaxAge   = 10 * time.Minute
+)
 
 // FindAgent looks for kiln-agent next to the running executable, then in
 // $PATH.

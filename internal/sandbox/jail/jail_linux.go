@@ -9,15 +9,21 @@ import (
 	"log/slog"
 	"os"
 	"os/exec"
+	"runtime"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
 	"kiln/internal/egress"
 	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/boxkit"
+	"kiln/internal/sandbox/boxplan"
 )
 
 // Backend creates jails.
@@ -35,6 +41,10 @@ var (
 	_ sandbox.Backend   = (*Backend)(nil)
 	_ sandbox.Checker   = (*Backend)(nil)
 	_ sandbox.Describer = (*Backend)(nil)
+
+	_ sandbox.OOMReporter     = (*jailBox)(nil)
+	_ sandbox.LimitReporter   = (*jailBox)(nil)
+	_ sandbox.RefusalReporter = (*jailBox)(nil)
 )
 
 // uidBase is where the host uids of boxes start: box uid 0..65535 of the
@@ -82,11 +92,17 @@ func New(opts Options) (*Backend, error) {
 		return nil, fmt.Errorf("creating state dir: %w", err)
 	}
 	b := &Backend{opts: opts, log: opts.Logger, rootless: os.Getuid() != 0}
-	b.cgroups, b.cgErr = detectCgroups()
+	b.cgroups, b.cgErr = detectCgroups(opts.AllBoxes)
 	if b.cgErr != nil {
 		b.log.Warn("no cgroup limits: boxes are bounded by rlimits only", "err", b.cgErr)
-	} else if n := b.cgroups.removeOrphans(); n > 0 {
-		b.log.Info("removed orphaned boxes of a previous kiln", "count", n)
+	} else {
+		n, err := b.cgroups.removeOrphans()
+		if n > 0 {
+			b.log.Info("removed orphaned cgroups of a previous kiln", "count", n)
+		}
+		if err != nil {
+			b.log.Warn("removing orphaned cgroups of a previous kiln", "err", err)
+		}
 	}
 	b.removeOrphanedState()
 	b.initZygotes()
@@ -126,47 +142,114 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (_ sandbox.Sand
 		return box, err // from the zygote (zygote_linux.go)
 	}
 	lim := spec.Limits.WithDefaults()
-	var cl cleanup
+	var cl boxkit.Cleanup
 	defer func() {
 		if err != nil {
-			cl.run()
+			cl.Run()
 		}
 	}()
 
-	var cg *cgroup
+	var cg *boxkit.CgroupGroup
 	if b.cgroups != nil {
 		if cg, err = b.cgroups.create(spec.ID, lim); err != nil {
 			return nil, err
 		}
-		cl.push(cg.destroy)
+		cl.Add(cg.Destroy)
 	}
-	root, err := os.MkdirTemp(b.opts.StateDir, statePrefix(os.Getpid()))
+	root, err := os.MkdirTemp(b.opts.StateDir, statePrefix())
 	if err != nil {
 		return nil, fmt.Errorf("creating mount point: %w", err)
 	}
-	cl.push(func() error { return os.Remove(root) })
+	cl.Add(func() error { return os.Remove(root) })
 	if err := os.Chmod(root, 0o711); err != nil {
 		return nil, err
 	}
 
+	proc, err := b.startInit(&cl)
+	if err != nil {
+		return nil, err
+	}
+	defer proc.cfg.Close()
+
+	if cg != nil {
+		if err := cg.Add(proc.cmd.Process.Pid); err != nil {
+			return nil, err
+		}
+	}
+	env := b.env()
+	resolvConf := ""
+	var att *egress.Attachment
+	if b.opts.Egress != nil && !b.opts.Policy.Empty() {
+		att, err = b.opts.Egress.Attach(ctx, proc.cmd.Process.Pid, egress.BoxInfo{Session: spec.ID, Policy: b.opts.Policy})
+		if err != nil {
+			return nil, fmt.Errorf("attaching egress gateway: %w", err)
+		}
+		cl.Add(att.Close)
+		env = append(env, att.Env()...)
+		resolvConf = att.ResolvConf()
+	}
+	cfg := initConfig{
+		Root:       root,
+		Agent:      b.opts.Agent,
+		AgentArgs:  b.agentArgs(spec),
+		Plan:       b.directPlan(lim, env),
+		ResolvConf: resolvConf,
+		Rootless:   b.rootless,
+	}
+	if err := json.NewEncoder(proc.cfg).Encode(&cfg); err != nil {
+		return nil, fmt.Errorf("sending box config: %w", err)
+	}
+	proc.cfg.Close()
+
+	conn, err := sandbox.NewAgentConn(ctx, spec.ID, proc.host, cl.Run)
+	if err != nil {
+		<-proc.waited
+		if msg := strings.TrimSpace(proc.stderr.String()); msg != "" {
+			err = fmt.Errorf("%w: %s", err, msg)
+		}
+		return nil, fmt.Errorf("starting jail: %w", err)
+	}
+	return &jailBox{AgentConn: conn, cg: cg, egress: att}, nil
+}
+
+// boxInit is a box's init as startInit leaves it: running in the box's new
+// namespaces, waiting for its configuration on cfg.
+type boxInit struct {
+	cmd    *exec.Cmd
+	host   *os.File // the server's end of the agent socket
+	cfg    *os.File // where the init reads its configuration; the caller closes it
+	stderr *tailBuffer
+	waited chan struct{} // closed once the init is reaped
+}
+
+// startInit starts a box's init (this executable, InitArg) in new
+// namespaces, owned by the box's host uid, and pushes onto cl what kills
+// it and closes the agent socket.
+func (b *Backend) startInit(cl *boxkit.Cleanup) (_ *boxInit, err error) {
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("creating agent socket: %w", err)
 	}
 	host := os.NewFile(uintptr(fds[0]), "agent-host")
 	box := os.NewFile(uintptr(fds[1]), "agent-box")
-	cl.push(host.Close)
+	cl.Add(host.Close)
 	cfgR, cfgW, err := os.Pipe()
 	if err != nil {
+		box.Close()
 		return nil, err
 	}
 	defer cfgR.Close()
-	defer cfgW.Close()
+	defer func() {
+		if err != nil {
+			cfgW.Close()
+		}
+	}()
 
 	// Exec the init through an open fd: the box's uid may not traverse
 	// the directories above the binary (a 0700 build dir, say).
 	self, err := os.Open(b.opts.Self)
 	if err != nil {
+		box.Close()
 		return nil, fmt.Errorf("opening own executable: %w", err)
 	}
 	defer self.Close()
@@ -175,8 +258,13 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (_ sandbox.Sand
 	cmd.Env = []string{}
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = box, box, stderr
 	cmd.ExtraFiles = []*os.File{cfgR, self}
-	cmd.SysProcAttr = b.procAttr()
-	err = cmd.Start()
+	var owner int
+	cmd.SysProcAttr, owner = b.procAttr()
+	if b.rootless {
+		err = cmd.Start()
+	} else {
+		err = startAsOwner(cmd, owner)
+	}
 	box.Close() // the box holds its end now; ours would hide its EOF
 	if err != nil {
 		return nil, fmt.Errorf("starting box init: %w", err)
@@ -188,62 +276,13 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (_ sandbox.Sand
 		<-waited
 		return nil
 	}
-	cl.push(kill)
-
-	if cg != nil {
-		if err := cg.add(cmd.Process.Pid); err != nil {
-			return nil, err
-		}
-	}
-	env := b.env()
-	resolvConf := ""
-	var att *egress.Attachment
-	if b.opts.Egress != nil && !b.opts.Policy.Empty() {
-		att, err = b.opts.Egress.Attach(ctx, cmd.Process.Pid, egress.BoxInfo{Session: spec.ID, Policy: b.opts.Policy})
-		if err != nil {
-			return nil, fmt.Errorf("attaching egress gateway: %w", err)
-		}
-		cl.push(att.Close)
-		env = append(env, att.Env()...)
-		resolvConf = att.ResolvConf()
-	}
-	cfg := initConfig{
-		Root:       root,
-		Agent:      b.opts.Agent,
-		AgentArgs:  b.agentArgs(spec),
-		Env:        env,
-		Hostname:   "kiln",
-		ResolvConf: resolvConf,
-		Rootless:   b.rootless,
-		Workspace:  lim.WorkspaceBytes,
-		Tmp:        lim.TmpBytes,
-		Inodes:     lim.Inodes,
-		Pids:       lim.Pids,
-		OpenFiles:  lim.OpenFiles,
-	}
-	if err := json.NewEncoder(cfgW).Encode(&cfg); err != nil {
-		return nil, fmt.Errorf("sending box config: %w", err)
-	}
-	cfgW.Close()
-
-	var once sync.Once
-	destroy := func() error {
-		var err error
-		once.Do(func() { err = cl.run() })
-		return err
-	}
-	conn, err := sandbox.NewAgentConn(ctx, spec.ID, host, destroy)
-	if err != nil {
-		<-waited
-		if msg := strings.TrimSpace(stderr.String()); msg != "" {
-			err = fmt.Errorf("%w: %s", err, msg)
-		}
-		return nil, fmt.Errorf("starting jail: %w", err)
-	}
-	return &jailBox{AgentConn: conn, cg: cg, egress: att}, nil
+	cl.Add(kill)
+	return &boxInit{cmd: cmd, host: host, cfg: cfgW, stderr: stderr, waited: waited}, nil
 }
 
-func (b *Backend) procAttr() *syscall.SysProcAttr {
+// procAttr is how the box's init starts, and the host uid that owns its
+// user namespace (the box's root).
+func (b *Backend) procAttr() (*syscall.SysProcAttr, int) {
 	attr := &syscall.SysProcAttr{
 		Cloneflags: syscall.CLONE_NEWUSER | syscall.CLONE_NEWNS | syscall.CLONE_NEWPID |
 			syscall.CLONE_NEWNET | syscall.CLONE_NEWIPC | syscall.CLONE_NEWUTS,
@@ -256,16 +295,122 @@ func (b *Backend) procAttr() *syscall.SysProcAttr {
 	if b.rootless {
 		attr.UidMappings = []syscall.SysProcIDMap{{ContainerID: 0, HostID: os.Getuid(), Size: 1}}
 		attr.GidMappings = []syscall.SysProcIDMap{{ContainerID: 0, HostID: os.Getgid(), Size: 1}}
-		return attr
+		return attr, os.Getuid()
 	}
-	base := uidBase + int(b.slot.Add(1)%uidSlots)*uidRange
+	base := uidBase + b.nextSlot()*uidRange
 	attr.UidMappings = []syscall.SysProcIDMap{{ContainerID: 0, HostID: base, Size: uidRange}}
 	attr.GidMappings = []syscall.SysProcIDMap{{ContainerID: 0, HostID: base, Size: uidRange}}
-	return attr
+	return attr, base
+}
+
+// startAsOwner starts cmd, whose SysProcAttr creates a user namespace,
+// from a thread whose real and effective uid and gid are owner: the kernel
+// makes the namespace's creator its owner, and charges every per-user
+// count of the processes inside (inotify instances, user namespaces,
+// message queue bytes, queued signals, processes) to that owner at the
+// host's level, so each box has its own quota instead of sharing root's.
+//
+// The thread keeps saved uid 0 and raises its permitted capabilities
+// again, to write the id maps; it gets its ids back before it runs
+// anything else. Credentials set with raw syscalls belong to one thread
+// only, which is what lets a multithreaded server do this at all.
+func startAsOwner(cmd *exec.Cmd, owner int) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		restore, err := becomeOwner(owner)
+		if err != nil {
+			errc <- fmt.Errorf("becoming the box's owner: %w", err)
+			return // the thread ends locked, with whatever ids it has
+		}
+		err = cmd.Start()
+		if rerr := restore(); rerr != nil {
+			// The box's parent-death signal is tied to this thread: it
+			// dies with it, as the thread must.
+			if err == nil {
+				cmd.Process.Kill()
+				cmd.Wait()
+			}
+			errc <- fmt.Errorf("restoring the server's ids: %w", rerr)
+			return
+		}
+		runtime.UnlockOSThread()
+		errc <- err
+	}()
+	return <-errc
+}
+
+// becomeOwner gives this (locked) thread uid and gid owner, real and
+// effective, with its capabilities still effective, and returns how to undo
+// it.
+func becomeOwner(owner int) (restore func() error, err error) {
+	var ru, eu, su, rg, eg, sg uint32
+	unix.RawSyscall(unix.SYS_GETRESUID, uintptr(unsafe.Pointer(&ru)), uintptr(unsafe.Pointer(&eu)), uintptr(unsafe.Pointer(&su)))
+	unix.RawSyscall(unix.SYS_GETRESGID, uintptr(unsafe.Pointer(&rg)), uintptr(unsafe.Pointer(&eg)), uintptr(unsafe.Pointer(&sg)))
+	groups, err := unix.Getgroups()
+	if err != nil {
+		return nil, err
+	}
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	var caps [2]unix.CapUserData
+	if err := unix.Capget(&hdr, &caps[0]); err != nil {
+		return nil, fmt.Errorf("capget: %w", err)
+	}
+	restore = func() error {
+		if _, _, e := unix.RawSyscall(unix.SYS_SETRESUID, uintptr(ru), uintptr(eu), uintptr(su)); e != 0 {
+			return fmt.Errorf("setresuid: %w", e)
+		}
+		if _, _, e := unix.RawSyscall(unix.SYS_SETRESGID, uintptr(rg), uintptr(eg), uintptr(sg)); e != 0 {
+			return fmt.Errorf("setresgid: %w", e)
+		}
+		gids := make([]uint32, len(groups))
+		for i, g := range groups {
+			gids[i] = uint32(g)
+		}
+		var p unsafe.Pointer
+		if len(gids) > 0 {
+			p = unsafe.Pointer(&gids[0])
+		}
+		if _, _, e := unix.RawSyscall(unix.SYS_SETGROUPS, uintptr(len(gids)), uintptr(p), 0); e != 0 {
+			return fmt.Errorf("setgroups: %w", e)
+		}
+		if err := unix.Capset(&hdr, &caps[0]); err != nil {
+			return fmt.Errorf("capset: %w", err)
+		}
+		var nru, neu, nsu uint32
+		unix.RawSyscall(unix.SYS_GETRESUID, uintptr(unsafe.Pointer(&nru)), uintptr(unsafe.Pointer(&neu)), uintptr(unsafe.Pointer(&nsu)))
+		if nru != ru || neu != eu || nsu != su {
+			return errors.New("the thread's uids did not come back")
+		}
+		return nil
+	}
+	keep := uintptr(^uint32(0)) // -1: leave the saved id as it is
+	if _, _, e := unix.RawSyscall(unix.SYS_SETGROUPS, 0, 0, 0); e != 0 {
+		return nil, fmt.Errorf("setgroups: %w", e)
+	}
+	if _, _, e := unix.RawSyscall(unix.SYS_SETRESGID, uintptr(owner), uintptr(owner), keep); e != 0 {
+		restore()
+		return nil, fmt.Errorf("setresgid: %w", e)
+	}
+	if _, _, e := unix.RawSyscall(unix.SYS_SETRESUID, uintptr(owner), uintptr(owner), keep); e != 0 {
+		restore()
+		return nil, fmt.Errorf("setresuid: %w", e)
+	}
+	// The uid change cleared the effective set; the saved uid 0 kept the
+	// permitted one.
+	if err := unix.Capset(&hdr, &caps[0]); err != nil {
+		restore()
+		return nil, fmt.Errorf("capset: %w", err)
+	}
+	return restore, nil
 }
 
 func (b *Backend) agentArgs(spec sandbox.Spec) []string {
-	args := []string{"-workspace", "/work", "-preload", strings.Join(spec.Preload, ",")}
+	args := []string{"-workspace", boxplan.Workspace, "-preload", strings.Join(spec.Preload, ",")}
+	if !b.rootless {
+		// The agent stays root of the box (agentCaps); code runs as boxUID.
+		args = append(args, "-uid", strconv.Itoa(boxUID), "-gid", strconv.Itoa(boxGID))
+	}
 	if _, err := os.Stat(b.opts.Python); err == nil {
 		args = append(args, "-python", b.opts.Python)
 	} else {
@@ -275,23 +420,14 @@ func (b *Backend) agentArgs(spec sandbox.Spec) []string {
 }
 
 func (b *Backend) env() []string {
-	env := []string{
-		"PATH=/usr/local/bin:/usr/bin:/bin",
-		"HOME=/work",
-		"USER=" + boxUser,
-		"LOGNAME=" + boxUser,
-		"LANG=C.UTF-8",
-		"TMPDIR=/tmp",
-		"MPLCONFIGDIR=/tmp/.matplotlib",
-		"XDG_CACHE_HOME=/tmp/.cache", // fontconfig and friends stay out of /work
-	}
+	env := append(slices.Clone(boxplan.Env), boxplan.UserEnv(boxUID)...)
 	return append(env, b.opts.Env...)
 }
 
 // jailBox adds what only the jail knows to the agent connection.
 type jailBox struct {
 	*sandbox.AgentConn
-	cg     *cgroup
+	cg     *boxkit.CgroupGroup
 	egress *egress.Attachment // nil without network
 }
 
@@ -309,20 +445,14 @@ func (j *jailBox) NetworkRefusals() []string {
 }
 
 // OOMKilled reports whether the box hit its memory limit.
-func (j *jailBox) OOMKilled() bool { return j.cg != nil && j.cg.oomKilled() }
+func (j *jailBox) OOMKilled() bool { return j.cg != nil && j.cg.OOMKills() > 0 }
 
-// cleanup is a LIFO stack of teardown steps, run once.
-type cleanup struct{ steps []func() error }
-
-func (c *cleanup) push(f func() error) { c.steps = append(c.steps, f) }
-
-func (c *cleanup) run() error {
-	var errs []error
-	for i := len(c.steps) - 1; i >= 0; i-- {
-		errs = append(errs, c.steps[i]())
+// LimitHits counts the box cgroup's OOM kills and refused forks.
+func (j *jailBox) LimitHits() sandbox.LimitHits {
+	if j.cg == nil {
+		return sandbox.LimitHits{OOMKills: -1, PidsRefused: -1}
 	}
-	c.steps = nil
-	return errors.Join(errs...)
+	return sandbox.LimitHits{OOMKills: j.cg.OOMKills(), PidsRefused: j.cg.PidsRefused()}
 }
 
 // tailBuffer keeps the last max bytes written (the init's error message).

@@ -25,3 +25,9 @@ func (b *Backend) Name() string { return "jail" }
 func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbox, error) {
 	return nil, sandbox.ErrUnsupported
 }
+
+func (b *Backend) Runtime() sandbox.Runtime { return sandbox.Runtime{} }
+
+func (b *Backend) Close() error { return nil }
+
+func (b *Backend) Leftovers() []string { return nil }

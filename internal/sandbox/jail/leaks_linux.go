@@ -1,11 +1,12 @@
 package jail
 
 import (
-	"bufio"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+
+	"kiln/internal/sandbox/boxkit"
 )
 
 // Leftovers lists what this server's boxes hold on the host right now: their
@@ -16,39 +17,19 @@ import (
 // itself does not link the test suite).
 func (b *Backend) Leftovers() []string {
 	var out []string
-	prefix := strconv.Itoa(os.Getpid()) + "."
-	for _, base := range cgroupBases(b.cgroups) {
-		entries, _ := os.ReadDir(base)
-		for _, e := range entries {
-			if e.IsDir() && strings.HasPrefix(e.Name(), prefix) {
-				out = append(out, "cgroup "+filepath.Join(base, e.Name()))
-			}
+	if b.cgroups != nil {
+		for _, name := range b.cgroups.boxGroups() {
+			out = append(out, "cgroup "+serverGroup()+"/"+name)
 		}
 	}
-	out = append(out, processesInGroups("/kiln/"+prefix)...)
+	out = append(out, processesInGroups("/kiln/"+strconv.Itoa(os.Getpid())+"/")...)
 	entries, _ := os.ReadDir(b.opts.StateDir)
 	for _, e := range entries {
-		if strings.HasPrefix(e.Name(), statePrefix(os.Getpid())) {
+		if strings.HasPrefix(e.Name(), statePrefix()) {
 			out = append(out, "mount point "+filepath.Join(b.opts.StateDir, e.Name()))
 		}
 	}
 	out = append(out, mountsUnder(b.opts.StateDir)...)
-	return out
-}
-
-// cgroupBases are the directories that hold kiln's groups (none without
-// cgroups).
-func cgroupBases(c *cgroups) []string {
-	if c == nil {
-		return nil
-	}
-	if c.v2 {
-		return []string{filepath.Join(cgroupRoot, "kiln")}
-	}
-	var out []string
-	for _, ctrl := range v1Controllers {
-		out = append(out, filepath.Join(cgroupRoot, ctrl, "kiln"))
-	}
 	return out
 }
 
@@ -70,20 +51,13 @@ func processesInGroups(group string) []string {
 	return out
 }
 
-// mountsUnder lists the mounts of this mount namespace at or below dir.
+// mountsUnder lists the mounts of this mount namespace at or below dir,
+// deepest first.
 func mountsUnder(dir string) []string {
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		return nil
-	}
-	defer f.Close()
-	var out []string
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		fields := strings.Fields(sc.Text())
-		if len(fields) > 4 && (fields[4] == dir || strings.HasPrefix(fields[4], dir+"/")) {
-			out = append(out, "mount "+fields[4])
-		}
+	mounts, _ := boxkit.MountsUnder(dir)
+	out := make([]string, 0, len(mounts))
+	for _, m := range mounts {
+		out = append(out, "mount "+m)
 	}
 	return out
 }

@@ -1,60 +1,64 @@
 package jail
 
+import (
+	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/boxplan"
+)
+
 // The jail's security policy, as data. Each table has a test that runs a
 // victim inside a box and sees it refused (jail_test.go, sandboxtest).
-
-// runtimeDirs are the host directories bound read-only into every box: the
-// interpreter and its libraries, nothing else. A host symlink (merged /usr)
-// is recreated as the same symlink.
-var runtimeDirs = []string{"/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin"}
-
-// etcFromHost are harmless host files under /etc that the runtime needs,
-// bound read-only: the dynamic loader's cache, the alternatives that
-// numpy's BLAS goes through, fonts and matplotlib's defaults, CA
-// certificates for HTTPS under an egress allowlist. Never passwd, shadow,
-// hosts or anything with secrets: those are synthesized (etcFiles).
-var etcFromHost = []string{
-	"/etc/ld.so.cache",
-	"/etc/ld.so.conf",
-	"/etc/ld.so.conf.d",
-	"/etc/alternatives",
-	"/etc/fonts",
-	"/etc/matplotlibrc",
-	"/etc/localtime",
-	"/etc/mime.types",
-	"/etc/ssl/certs",
-	"/etc/ca-certificates.conf",
-	"/etc/python3",
-	"/etc/python3.11",
-	"/etc/python3.12",
-	"/etc/python3.13",
-	"/etc/bash.bashrc",
-	"/etc/inputrc",
-}
 
 // boxUID and boxGID are the unprivileged user code runs as, inside the box.
 // On the host they map to a range no real user has (see uidBase).
 const (
-	boxUID  = 1000
-	boxGID  = 1000
-	boxUser = "sandbox"
+	boxUID = boxplan.UID
+	boxGID = boxplan.GID
 )
 
-// etcFiles are synthesized for every box.
-func etcFiles(hostname, resolvConf string) map[string]string {
-	return map[string]string{
-		"passwd":        "root:x:0:0:root:/root:/usr/sbin/nologin\nsandbox:x:1000:1000:sandbox:/work:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
-		"group":         "root:x:0:\nsandbox:x:1000:\nnogroup:x:65534:\n",
-		"hosts":         "127.0.0.1\tlocalhost " + hostname + "\n::1\tlocalhost ip6-localhost\n",
-		"hostname":      hostname + "\n",
-		"resolv.conf":   resolvConf,
-		"nsswitch.conf": "passwd: files\ngroup: files\nhosts: files dns\n",
-	}
-}
+// agentCaps are the capabilities kiln-agent keeps, as root of its box's
+// own user namespace (they mean nothing outside it): starting code as boxUID
+// (setuid, setgid; and setfsuid, to touch files with the code's rights) and
+// signalling it (kill). They reach the agent through its inheritable set
+// (a root exec keeps it), with an empty bounding set; the serving agent
+// then empties its inheritable set (agent.Harden), so code inherits no
+// capability in any set. Code runs as boxUID, so it can neither signal,
+// trace nor read the agent; the agent holds no capability over files,
+// mounts or the network.
+var agentCaps = []uintptr{capSetUID, capSetGID, capKill}
 
-// devNodes are bound from the host's /dev into the box's small /dev.
-var devNodes = []string{"null", "zero", "full", "random", "urandom"}
+// templateCaps are the capabilities a zygote template keeps, as the
+// unprivileged host uid uidBase in the host's user namespace: a fork
+// becomes its box's own host uid (setuid, setgid) so that the user
+// namespace it creates is owned, and its per-user counts charged, there;
+// and the template writes that namespace's id maps, which map box root to
+// its owner (setfcap, which the kernel asks for to map the owner as root).
+var templateCaps = []uintptr{capSetUID, capSetGID, capSetFCap}
 
+// Capability numbers (linux/capability.h).
+const (
+	capKill    = 5
+	capSetGID  = 6
+	capSetUID  = 7
+	capSetFCap = 31
+)
+
+// The rest of a box's policy (runtime, /etc, mounts, masks, Landlock
+// rules, rlimits, environment) is the box plan, package boxplan, which the
+// init (init_linux.go) and the zygote (zygote_plan_linux.go) interpret.
 // The syscall policy (denied syscalls, clone namespace flags, AF_PACKET) is
-// shared with the other backends: sandbox.DeniedSyscalls and its neighbours
-// in internal/sandbox/policy.go, loaded by seccompFilter.
+// shared with the other backends: sandbox.SyscallPolicy in
+// internal/sandbox/policy.go, loaded by loadSeccomp (seccomp.go).
+
+// boxPlan is the plan of a box (or a template) with limits l, whose
+// workspace belongs to owner, and whose agent gets env.
+func boxPlan(l sandbox.Limits, owner int, env []string) boxplan.Plan {
+	p := boxplan.New(boxplan.Limits{
+		WorkspaceBytes: l.WorkspaceBytes,
+		TmpBytes:       l.TmpBytes,
+		Inodes:         l.Inodes,
+		Pids:           l.Pids,
+		OpenFiles:      l.OpenFiles,
+	}, owner, owner)
+	p.Env = env
+	return p
+}

@@ -3,15 +3,18 @@ package jail
 import (
 	"fmt"
 	"path/filepath"
+	"slices"
 
 	"golang.org/x/sys/unix"
 )
 
 // ZygoteInitArg is the hidden first argument with which kiln re-executes
 // itself as a zygote template's init: it builds the template's root like a
-// box's, keeps the capabilities of root in the template's user namespace
-// (forks need them to set themselves up) and execs kiln-agent -zygote,
-// which becomes the template's python.
+// box's, in its own mount, pid, network, ipc and uts namespaces but in the
+// host's user namespace, becomes the unprivileged host uid uidBase holding
+// only templateCaps (forks need them to become their box's host uid and to
+// get their id maps) and execs kiln-agent -zygote, which becomes the
+// template's python.
 const ZygoteInitArg = "__kiln_jail_zygote"
 
 // runZygoteInit is the template's init. fd 3 carries the config, fd 4 the
@@ -32,6 +35,9 @@ func runZygoteInit() error {
 		return fmt.Errorf("placing control socket: %w", err)
 	}
 	unix.Close(5)
+	if err := becomeTemplateUser(cfg); err != nil {
+		return fmt.Errorf("becoming the template user: %w", err)
+	}
 	return execAgent(cfg)
 }
 
@@ -41,7 +47,7 @@ func runZygoteInit() error {
 // masks its own /proc again.
 func unmaskProc(cfg *initConfig) error {
 	proc := filepath.Join(cfg.Root, "proc")
-	for _, p := range append(procMasks, "sys") {
+	for _, p := range append(slices.Clone(cfg.Plan.ProcMasks), "sys") {
 		if err := unix.Unmount(filepath.Join(proc, p), unix.MNT_DETACH); err != nil && err != unix.EINVAL && err != unix.ENOENT {
 			return fmt.Errorf("unmounting %s: %w", p, err)
 		}

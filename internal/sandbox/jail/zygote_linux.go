@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"os"
 	"os/exec"
@@ -16,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/boxkit"
 )
 
 // The zygote (Options.Zygote): instead of starting python in every box, a
@@ -27,21 +29,26 @@ import (
 // model's, following a plan computed here from the jail's policy tables
 // (zygote_plan_linux.go). The library pages stay shared copy-on-write.
 //
-// The template is itself jailed (its own namespaces, the read-only runtime
-// root, no host environment) but keeps the capabilities of root in its
-// own user namespace, which maps kiln's whole box uid range: it needs them
-// to give each fork its own user namespace and uid range. It never runs
-// model code, and boxes cannot reach it: it lives in their parent pid
-// namespace, they only have copies of its mount namespace, and its
-// control socket is closed in the fork before anything else.
+// The template is itself jailed (its own mount, pid, network, ipc and uts
+// namespaces, the read-only runtime root, no host environment) but stays
+// in the host's user namespace, as the unprivileged host uid uidBase with
+// only templateCaps: CAP_SETUID and CAP_SETGID, to let each fork become its
+// box's own host uid before the fork creates the box's user namespace, and
+// CAP_SETFCAP to write that namespace's id maps. So every box's user
+// namespace is a direct child of the host's, owned by the box's own host
+// uid, and the kernel charges the box's per-user counts (inotify
+// instances, user namespaces, message queues, queued signals) to it, not
+// to root. The template holds no capability over files, mounts, the
+// network or other processes; it never runs model code, and boxes cannot
+// reach it: it lives in their parent pid namespace, they only have copies
+// of its mount namespace, and its control socket is closed in the fork
+// before anything else.
 
 // zygotes holds the backend's templates, one per preload list.
 type zygotes struct {
-	b      *Backend
-	mu     sync.Mutex
-	byKey  map[string]*template
-	closed bool
-	prog   []byte // the seccomp program, assembled once
+	b    *Backend
+	prog []byte // the seccomp program, assembled once
+	tpls *boxkit.TemplateCache[*template]
 }
 
 func newZygotes(b *Backend) (*zygotes, error) {
@@ -57,7 +64,15 @@ func newZygotes(b *Backend) (*zygotes, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &zygotes{b: b, byKey: map[string]*template{}, prog: prog}, nil
+	z := &zygotes{b: b, prog: prog}
+	z.tpls = boxkit.NewTemplateCache(boxkit.TemplateOptions[*template]{
+		Name:     "jail zygote",
+		Stop:     (*template).stop,
+		Dead:     (*template).dead,
+		Rotation: zygoteRotation(b.opts),
+		Logger:   b.log,
+	})
+	return z, nil
 }
 
 // template is one running zygote.
@@ -66,158 +81,176 @@ type template struct {
 	cmd    *exec.Cmd
 	ctl    *net.UnixConn // SOCK_SEQPACKET: one message per box, with its fds
 	wmu    sync.Mutex
-	ready  chan struct{} // closed once err or hello is set
-	err    error
 	done   chan struct{} // closed when the template has exited
 	stderr *tailBuffer
 }
 
-func (t *template) alive() bool {
+// dead says why the template is gone, if it is.
+func (t *template) dead() error {
 	select {
 	case <-t.done:
-		return false
+		return fmt.Errorf("jail zygote exited: %s", strings.TrimSpace(t.stderr.String()))
 	default:
-		return true
+		return nil
 	}
 }
 
-// get returns the running template for preload, starting one if needed.
-func (z *zygotes) get(ctx context.Context, preload []string) (*template, error) {
+// stop kills the template and waits for its reaper, which closes its
+// socket and removes its root.
+func (t *template) stop() {
+	t.cmd.Process.Kill()
+	<-t.done
+}
+
+// get returns a ready template for preload and counts the box it will
+// make; the caller must release it once that box is destroyed or was
+// never made.
+func (z *zygotes) get(ctx context.Context, preload []string) (*boxkit.Template[*template], error) {
 	key := strings.Join(preload, ",")
-	z.mu.Lock()
-	if z.closed {
-		z.mu.Unlock()
-		return nil, sandbox.ErrClosed
-	}
-	t := z.byKey[key]
-	if t == nil || !t.alive() {
-		if t != nil {
-			z.b.log.Warn("jail zygote exited; starting a new one", "preload", key, "stderr", t.stderr.String())
-		}
-		t = z.start(key)
-		z.byKey[key] = t
-	}
-	z.mu.Unlock()
-	select {
-	case <-t.ready:
-		return t, t.err
-	case <-ctx.Done():
-		return nil, ctx.Err()
-	}
+	return z.tpls.Get(ctx, key, func(ctx context.Context, _ bool) (*template, time.Time, error) {
+		t, err := z.start(ctx, key)
+		return t, time.Time{}, err
+	})
 }
 
-// start launches a template; it becomes ready in the background.
-func (z *zygotes) start(key string) *template {
-	t := &template{key: key, ready: make(chan struct{}), done: make(chan struct{}), stderr: &tailBuffer{max: 4096}}
-	fail := func(err error) *template {
-		t.err = fmt.Errorf("starting jail zygote: %w", err)
-		close(t.ready)
-		close(t.done)
-		return t
+// start launches a template and waits until its python has imported the
+// preloads (only the first call of a key and crash recovery wait for it;
+// rotation starts replacements in the background).
+func (z *zygotes) start(ctx context.Context, key string) (*template, error) {
+	t, err := z.spawn(key)
+	if err != nil {
+		return nil, fmt.Errorf("starting jail zygote: %w", err)
 	}
+	ready := make(chan error, 1)
+	go func() { ready <- t.awaitReady(z.b.log) }()
+	select {
+	case err = <-ready:
+	case <-ctx.Done():
+		err = ctx.Err()
+	}
+	if err != nil {
+		t.stop()
+		return nil, fmt.Errorf("starting jail zygote: %w: %s", err, strings.TrimSpace(t.stderr.String()))
+	}
+	return t, nil
+}
+
+// spawn starts a template's process, with its root and control socket;
+// its reaper removes both when it exits.
+func (z *zygotes) spawn(key string) (_ *template, err error) {
 	b := z.b
-	root, err := os.MkdirTemp(b.opts.StateDir, zygotePrefix(os.Getpid()))
+	var cl boxkit.Cleanup
+	defer func() {
+		if err != nil {
+			cl.Run()
+		}
+	}()
+	root, err := os.MkdirTemp(b.opts.StateDir, zygotePrefix())
 	if err != nil {
-		return fail(err)
+		return nil, err
 	}
+	cl.Add(func() error { return os.Remove(root) })
 	if err := os.Chmod(root, 0o711); err != nil {
-		os.Remove(root)
-		return fail(err)
+		return nil, err
 	}
-	ctlFDs, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	ctl, ctlBox, err := zygoteControl()
 	if err != nil {
-		os.Remove(root)
-		return fail(err)
+		return nil, err
 	}
-	ctlHost := os.NewFile(uintptr(ctlFDs[0]), "zygote-ctl")
-	ctlBox := os.NewFile(uintptr(ctlFDs[1]), "zygote-ctl-box")
 	defer ctlBox.Close()
-	fc, err := net.FileConn(ctlHost)
-	ctlHost.Close()
-	if err != nil {
-		os.Remove(root)
-		return fail(err)
-	}
-	t.ctl = fc.(*net.UnixConn)
+	cl.Add(ctl.Close)
 	cfgR, cfgW, err := os.Pipe()
 	if err != nil {
-		t.ctl.Close()
-		os.Remove(root)
-		return fail(err)
+		return nil, err
 	}
 	defer cfgR.Close()
 	defer cfgW.Close()
 	self, err := os.Open(b.opts.Self)
 	if err != nil {
-		t.ctl.Close()
-		os.Remove(root)
-		return fail(err)
+		return nil, err
 	}
 	defer self.Close()
 
+	t := &template{key: key, ctl: ctl, done: make(chan struct{}), stderr: &tailBuffer{max: 4096}}
 	cmd := exec.Command("/proc/self/fd/4", ZygoteInitArg)
 	cmd.Env = []string{}
 	cmd.Stdout, cmd.Stderr = t.stderr, t.stderr
 	cmd.ExtraFiles = []*os.File{cfgR, self, ctlBox}
 	cmd.SysProcAttr = &syscall.SysProcAttr{
-		Cloneflags: syscall.CLONE_NEWUSER | syscall.CLONE_NEWNS | syscall.CLONE_NEWPID |
+		// Not a user namespace: forks create theirs as direct children
+		// of the host's (becomeTemplateUser drops the rest of root).
+		Cloneflags: syscall.CLONE_NEWNS | syscall.CLONE_NEWPID |
 			syscall.CLONE_NEWNET | syscall.CLONE_NEWIPC | syscall.CLONE_NEWUTS,
-		Pdeathsig:  syscall.SIGKILL,
-		Credential: &syscall.Credential{Uid: 0, Gid: 0, NoSetGroups: true},
-		// The whole box range: each fork maps its own slot of it.
-		UidMappings:                []syscall.SysProcIDMap{{ContainerID: 0, HostID: uidBase, Size: uidSlots * uidRange}},
-		GidMappings:                []syscall.SysProcIDMap{{ContainerID: 0, HostID: uidBase, Size: uidSlots * uidRange}},
-		GidMappingsEnableSetgroups: false,
+		Pdeathsig: syscall.SIGKILL,
 	}
 	t.cmd = cmd
 	if err := cmd.Start(); err != nil {
-		t.ctl.Close()
-		os.Remove(root)
-		return fail(err)
+		return nil, err
 	}
-	args := b.agentArgs(sandbox.Spec{Preload: splitPreload(key)})
-	cfg := initConfig{
-		Root:      root,
-		Agent:     b.opts.Agent,
-		AgentArgs: append(args, "-zygote"),
-		Env:       b.env(),
-		Hostname:  "kiln",
-		Workspace: 1 << 20,
-		Tmp:       64 << 20, // matplotlib's font cache, built once
-		Inodes:    4096,
-		Pids:      sandbox.DefaultLimits.Pids,
-		OpenFiles: sandbox.DefaultLimits.OpenFiles,
-	}
+	cfg := z.templateConfig(root, key)
 	json.NewEncoder(cfgW).Encode(&cfg)
 	cfgW.Close()
-
 	go func() {
 		cmd.Wait()
 		t.ctl.Close()
 		os.Remove(root)
 		close(t.done)
 	}()
-	go func() {
-		defer close(t.ready)
-		buf := make([]byte, 4096)
-		t.ctl.SetReadDeadline(time.Now().Add(2 * time.Minute))
-		n, err := t.ctl.Read(buf)
-		t.ctl.SetReadDeadline(time.Time{})
-		var hello struct {
-			Ready     bool     `json:"ready"`
-			Preloaded []string `json:"preloaded"`
-		}
-		if err == nil {
-			err = json.Unmarshal(buf[:n], &hello)
-		}
-		if err != nil || !hello.Ready {
-			cmd.Process.Kill()
-			t.err = fmt.Errorf("starting jail zygote: %v: %s", err, strings.TrimSpace(t.stderr.String()))
-			return
-		}
-		b.log.Debug("jail zygote ready", "preload", key, "preloaded", hello.Preloaded)
-	}()
-	return t
+	return t, nil
+}
+
+// zygoteControl returns the two ends of a template's control socket: the
+// host's, and the template's to inherit.
+func zygoteControl() (*net.UnixConn, *os.File, error) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, nil, err
+	}
+	host := os.NewFile(uintptr(fds[0]), "zygote-ctl")
+	box := os.NewFile(uintptr(fds[1]), "zygote-ctl-box")
+	fc, err := net.FileConn(host)
+	host.Close()
+	if err != nil {
+		box.Close()
+		return nil, nil, err
+	}
+	return fc.(*net.UnixConn), box, nil
+}
+
+// templateConfig is the template's own jail.
+func (z *zygotes) templateConfig(root, key string) initConfig {
+	b := z.b
+	args := b.agentArgs(sandbox.Spec{Preload: splitPreload(key)})
+	return initConfig{
+		Root:      root,
+		Agent:     b.opts.Agent,
+		AgentArgs: append(args, "-zygote"),
+		Plan:      templatePlan(b.env()),
+	}
+}
+
+// awaitReady waits for the template's first message, which says its
+// python has imported the preloads.
+func (t *template) awaitReady(log *slog.Logger) error {
+	buf := make([]byte, 4096)
+	t.ctl.SetReadDeadline(time.Now().Add(2 * time.Minute))
+	n, err := t.ctl.Read(buf)
+	t.ctl.SetReadDeadline(time.Time{})
+	if err != nil {
+		return err
+	}
+	var hello struct {
+		Ready     bool     `json:"ready"`
+		Preloaded []string `json:"preloaded"`
+	}
+	if err := json.Unmarshal(buf[:n], &hello); err != nil {
+		return err
+	}
+	if !hello.Ready {
+		return errors.New("the zygote did not say it is ready")
+	}
+	log.Debug("jail zygote ready", "preload", t.key, "preloaded", hello.Preloaded)
+	return nil
 }
 
 func splitPreload(key string) []string {
@@ -226,9 +259,6 @@ func splitPreload(key string) []string {
 	}
 	return strings.Split(key, ",")
 }
-
-// zygotePrefix names a template's mount point ("zygote-<server pid>-…").
-func zygotePrefix(pid int) string { return "zygote-" + fmt.Sprint(pid) + "-" }
 
 // send asks the template for a box.
 func (t *template) send(plan []byte, fds ...int) error {
@@ -241,25 +271,14 @@ func (t *template) send(plan []byte, fds ...int) error {
 	return nil
 }
 
-// close stops every template.
-func (z *zygotes) close() {
-	z.mu.Lock()
-	z.closed = true
-	all := z.byKey
-	z.byKey = map[string]*template{}
-	z.mu.Unlock()
-	for _, t := range all {
-		if t.cmd != nil && t.cmd.Process != nil {
-			t.cmd.Process.Kill()
-		}
-		<-t.done
-	}
-}
-
-// Close stops the backend's zygotes. Boxes already made are unaffected.
+// Close stops the backend's zygotes, and with them every box forked from
+// them (each template is the init of the pid namespace its boxes nest in).
 func (b *Backend) Close() error {
 	if b.zy != nil {
-		b.zy.close()
+		b.zy.tpls.Close()
+	}
+	if b.cgroups != nil {
+		b.cgroups.closeServer()
 	}
 	return nil
 }
@@ -289,20 +308,22 @@ func (b *Backend) forkBox(ctx context.Context, spec sandbox.Spec) (sandbox.Sandb
 	return box, nil
 }
 
-func (b *Backend) fork(ctx context.Context, t *template, spec sandbox.Spec) (_ sandbox.Sandbox, err error) {
+func (b *Backend) fork(ctx context.Context, tt *boxkit.Template[*template], spec sandbox.Spec) (_ sandbox.Sandbox, err error) {
+	t := tt.Value
 	lim := spec.Limits.WithDefaults()
 	start := time.Now()
-	var cl cleanup
+	var cl boxkit.Cleanup
 	defer func() {
 		if err != nil {
-			cl.run()
+			cl.Run()
 		}
 	}()
+	cl.Add(func() error { b.zy.tpls.Release(tt); return nil }) // last, after the box is gone
 	cg, err := b.cgroups.create(spec.ID, lim)
 	if err != nil {
 		return nil, err
 	}
-	cl.push(cg.destroy)
+	cl.Add(cg.Destroy)
 
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -323,7 +344,7 @@ func (b *Backend) fork(ctx context.Context, t *template, spec sandbox.Spec) (_ s
 		return nil, fmt.Errorf("wrapping agent socket: %w", err)
 	}
 	host := fc.(*net.UnixConn)
-	cl.push(host.Close)
+	cl.Add(host.Close)
 	stderr := &tailBuffer{max: 4096}
 	errR, errW, err := os.Pipe()
 	if err != nil {
@@ -355,20 +376,55 @@ func (b *Backend) fork(ctx context.Context, t *template, spec sandbox.Spec) (_ s
 		return fmt.Errorf("forking jail: %s: %w", step, err)
 	}
 	sent := time.Now()
-	// G, the box's PID 1, says 'c' first thing; it waits in the
-	// template's namespaces until it is in the box's cgroup.
-	pid, err := readHello(host, 'c')
+	// G, the fork, says 'c' first thing; it waits in the template's
+	// namespaces until it is in the box's cgroup. Then it becomes the
+	// box's host uid, creates the box's namespaces and forks P, the box's
+	// PID 1, which says 'p'.
+	gpid, err := readHello(host, 'c')
 	if err != nil {
 		return nil, fail("waiting for the fork", err)
 	}
 	forked := time.Now()
-	pidfd, err := unix.PidfdOpen(pid, 0)
+	if err := watchKill(&cl, gpid); err != nil {
+		return nil, fmt.Errorf("watching the fork: %w", err)
+	}
+	if err := cg.Add(gpid); err != nil {
+		return nil, err
+	}
+	if _, err := host.Write([]byte{'k'}); err != nil {
+		return nil, fail("releasing the fork", err)
+	}
+	pid, err := readHello(host, 'p')
 	if err != nil {
+		return nil, fail("waiting for the box's init", err)
+	}
+	// The box's PID 1: its death ends the pid namespace.
+	if err := watchKill(&cl, pid); err != nil {
 		return nil, fmt.Errorf("watching the box's init: %w", err)
 	}
-	cl.push(func() error {
+	if rc, err := host.SyscallConn(); err == nil {
+		rc.Control(func(fd uintptr) { unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_PASSCRED, 0) })
+	}
+	host.SetReadDeadline(time.Time{})
+	stop()
+
+	conn, err := sandbox.NewAgentConn(ctx, spec.ID, host, cl.Run)
+	if err != nil {
+		return nil, fail("starting the agent", err) // NewAgentConn destroyed the box
+	}
+	b.log.Debug("forked a box", "id", spec.ID, "cgroup", sent.Sub(start), "fork", forked.Sub(sent), "ready", time.Since(forked))
+	return &jailBox{AgentConn: conn, cg: cg}, nil
+}
+
+// watchKill pushes onto cl a step that kills process pid and waits, a
+// while, for it to end.
+func watchKill(cl *boxkit.Cleanup, pid int) error {
+	pidfd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		return err
+	}
+	cl.Add(func() error {
 		defer unix.Close(pidfd)
-		// The box's PID 1: its death ends the pid namespace.
 		unix.PidfdSendSignal(pidfd, unix.SIGKILL, nil, 0)
 		fds := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
 		for range 50 {
@@ -378,34 +434,11 @@ func (b *Backend) fork(ctx context.Context, t *template, spec sandbox.Spec) (_ s
 		}
 		return nil
 	})
-	if err := cg.add(pid); err != nil {
-		return nil, err
-	}
-	if _, err := host.Write([]byte{'k'}); err != nil {
-		return nil, fail("releasing the fork", err)
-	}
-	if rc, err := host.SyscallConn(); err == nil {
-		rc.Control(func(fd uintptr) { unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_PASSCRED, 0) })
-	}
-	host.SetReadDeadline(time.Time{})
-	stop()
-
-	var once sync.Once
-	destroy := func() error {
-		var err error
-		once.Do(func() { err = cl.run() })
-		return err
-	}
-	conn, err := sandbox.NewAgentConn(ctx, spec.ID, host, destroy)
-	if err != nil {
-		return nil, fail("starting the agent", err) // NewAgentConn destroyed the box
-	}
-	b.log.Debug("forked a box", "id", spec.ID, "cgroup", sent.Sub(start), "fork", forked.Sub(sent), "ready", time.Since(forked))
-	return &jailBox{AgentConn: conn, cg: cg}, nil
+	return nil
 }
 
-// nextSlot picks the box's uid range; slot 0 holds the template's own
-// root, so boxes never get it.
+// nextSlot picks the box's uid range; the first uid of slot 0 is the
+// zygote template's, so boxes never get it.
 func (b *Backend) nextSlot() int {
 	for {
 		if n := int(b.slot.Add(1) % uidSlots); n != 0 {
@@ -451,18 +484,11 @@ func copyTail(dst *tailBuffer, src *os.File) {
 	}
 }
 
-// initZygotes turns the zygote on when Options.Zygote or KILN_JAIL_ZYGOTE
-// asks for it, and removes the mount points of dead servers' templates.
+// initZygotes turns the zygote on when Options.Zygote asks for it.
+// (removeOrphanedState removes the mount points of dead servers'
+// templates.)
 func (b *Backend) initZygotes() {
-	removeOrphanedZygoteDirs(b.opts.StateDir)
-	on := b.opts.Zygote
-	switch os.Getenv("KILN_JAIL_ZYGOTE") {
-	case "1", "true":
-		on = true
-	case "0", "false":
-		on = false
-	}
-	if !on {
+	if !b.opts.Zygote {
 		return
 	}
 	z, err := newZygotes(b)
@@ -471,22 +497,4 @@ func (b *Backend) initZygotes() {
 		return
 	}
 	b.zy = z
-}
-
-// removeOrphanedZygoteDirs removes "zygote-<pid>-*" entries of servers no
-// longer running. Their mounts lived in the dead templates' namespaces.
-func removeOrphanedZygoteDirs(dir string) {
-	entries, _ := os.ReadDir(dir)
-	for _, e := range entries {
-		rest, ok := strings.CutPrefix(e.Name(), "zygote-")
-		if !ok || !e.IsDir() {
-			continue
-		}
-		owner, _, _ := strings.Cut(rest, "-")
-		var pid int
-		if _, err := fmt.Sscan(owner, &pid); err != nil || pid <= 0 || processAlive(pid) {
-			continue
-		}
-		os.Remove(dir + "/" + e.Name())
-	}
 }

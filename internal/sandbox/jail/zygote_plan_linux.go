@@ -3,22 +3,24 @@ package jail
 import (
 	"encoding/binary"
 	"fmt"
-	"os"
-	"strconv"
 
 	llsys "github.com/landlock-lsm/go-landlock/landlock/syscall"
-	"golang.org/x/net/bpf"
 	"golang.org/x/sys/unix"
 
 	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/boxplan"
 )
 
-// boxPlan is what a forked box does to itself before it runs anything of
-// the model's (internal/kernel/zygote.py carries it out). It is computed
-// from the same tables as a directly started box's init: the per-box
-// mounts of buildRoot, setRlimits, dropPrivileges, restrictFS and
-// seccompFilter.
-type boxPlan struct {
+// zygotePlan is what a forked box does to itself before it runs anything
+// of the model's (internal/kernel/zygote.py carries it out). It is
+// generated from the box plan (boxplan.Plan) that a directly started box's
+// init interprets in buildRoot, setRlimits, restrictFS, and from the same
+// capabilities and seccomp program as dropPrivileges and loadSeccomp.
+type zygotePlan struct {
+	// HostID is the box's host uid and gid: the fork becomes it before it
+	// creates the box's user namespace, which it then owns, and the maps
+	// make it the box's root.
+	HostID    int           `json:"host_id"`
 	UIDMap    string        `json:"uid_map"`
 	GIDMap    string        `json:"gid_map"`
 	Hostname  string        `json:"hostname"`
@@ -28,6 +30,8 @@ type boxPlan struct {
 	UID       int           `json:"uid"`
 	GID       int           `json:"gid"`
 	SysCapset int           `json:"sys_capset"`
+	SysCapget int           `json:"sys_capget"`
+	AgentCaps uint64        `json:"agent_caps"` // what the box's PID 1 and agent keep
 	Landlock  *landlockPlan `json:"landlock,omitempty"`
 	Seccomp   []byte        `json:"seccomp"` // raw struct sock_filter array
 	Agent     string        `json:"agent"`
@@ -54,63 +58,89 @@ type landlockRule struct {
 	Access uint64 `json:"access"`
 }
 
-// procMasks are the files under /proc every box gets /dev/null over.
-var procMasks = []string{"sysrq-trigger", "kcore", "timer_list", "keys"}
+// directPlan is the plan of a directly started box: its init mounts the
+// workspace as root of the box's user namespace, or as the only mapped
+// uid, 0, rootless.
+func (b *Backend) directPlan(lim sandbox.Limits, env []string) boxplan.Plan {
+	owner := boxUID
+	if b.rootless {
+		owner = 0
+	}
+	return boxPlan(lim, owner, env)
+}
 
-// devShm is the size and inode cap of every box's /dev/shm.
-const (
-	devShmBytes  = 64 << 20
-	devShmInodes = 1024
-)
+// templatePlan is the plan of a zygote template: small, since no code runs
+// in it, and owned by the template's own host uid (it stays in the host's
+// user namespace). Every box forked from it mounts its own (zygotes.plan).
+func templatePlan(env []string) boxplan.Plan {
+	return boxPlan(sandbox.Limits{
+		WorkspaceBytes: 1 << 20,
+		TmpBytes:       64 << 20, // matplotlib's font cache, built once
+		Inodes:         4096,
+		Pids:           sandbox.DefaultLimits.Pids,
+		OpenFiles:      sandbox.DefaultLimits.OpenFiles,
+	}, uidBase, env)
+}
 
-func (z *zygotes) plan(spec sandbox.Spec, lim sandbox.Limits, slot int) *boxPlan {
+// plan is what the box forked from the template into slot does to itself,
+// generated from the box plan a directly started box's init interprets
+// (boxPlan, never zygote-only): its mounts, rlimits and Landlock rules
+// as the raw values zygote.py hands to the kernel.
+func (z *zygotes) plan(spec sandbox.Spec, lim sandbox.Limits, slot int) *zygotePlan {
 	b := z.b
-	idMap := fmt.Sprintf("0 %d %d", slot*uidRange, uidRange)
-	tmpfsOpts := func(mode string, size int64, inodes, owner int) string {
-		s := "mode=" + mode + ",size=" + strconv.FormatInt(size, 10)
-		if inodes > 0 {
-			s += ",nr_inodes=" + strconv.Itoa(inodes)
-		}
-		if owner >= 0 {
-			s += ",uid=" + strconv.Itoa(owner) + ",gid=" + strconv.Itoa(owner)
-		}
-		return s
-	}
-	const tmpfsFlags = unix.MS_NOSUID | unix.MS_NODEV
-	const procFlags = unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOEXEC
-	mounts := []planMount{
-		// Mounted before the box has its user namespace: the owner is
-		// named in the template's, where the box's uid 0 is slot*uidRange.
-		{Src: "tmpfs", Dst: "/work", Type: "tmpfs", Flags: tmpfsFlags, Data: tmpfsOpts("755", lim.WorkspaceBytes, lim.Inodes, slot*uidRange+boxUID)},
-		{Src: "tmpfs", Dst: "/tmp", Type: "tmpfs", Flags: tmpfsFlags, Data: tmpfsOpts("1777", lim.TmpBytes, lim.Inodes, -1)},
-		{Src: "tmpfs", Dst: "/dev/shm", Type: "tmpfs", Flags: tmpfsFlags, Data: tmpfsOpts("1777", devShmBytes, devShmInodes, -1)},
-		{Src: "proc", Dst: "/proc", Type: "proc", Flags: procFlags},
-		{Src: "/proc/sys", Dst: "/proc/sys", Flags: unix.MS_BIND | unix.MS_REC},
-		{Dst: "/proc/sys", Flags: unix.MS_BIND | unix.MS_REMOUNT | unix.MS_RDONLY | procFlags},
-	}
-	for _, p := range procMasks {
-		mounts = append(mounts, planMount{Src: "/dev/null", Dst: "/proc/" + p, Flags: unix.MS_BIND, IfExists: true})
-	}
-	return &boxPlan{
-		UIDMap:   idMap,
-		GIDMap:   idMap,
-		Hostname: "kiln",
-		Mounts:   mounts,
-		Rlimits: [][2]uint64{
-			{unix.RLIMIT_CORE, 0},
-			{unix.RLIMIT_NOFILE, uint64(lim.OpenFiles)},
-			{unix.RLIMIT_NPROC, uint64(lim.Pids)},
-		},
-		Workspace: "/work",
+	host := uidBase + slot*uidRange
+	idMap := fmt.Sprintf("0 %d %d", host, uidRange)
+	// Mounted by the box's PID 1, as root of the box's own user
+	// namespace: the owner is named there.
+	p := boxPlan(lim, boxUID, b.env())
+	return &zygotePlan{
+		HostID:    host,
+		UIDMap:    idMap,
+		GIDMap:    idMap,
+		Hostname:  p.Hostname,
+		Mounts:    zygoteMounts(p),
+		Rlimits:   zygoteRlimits(p),
+		Workspace: p.Workspace,
 		UID:       boxUID,
 		GID:       boxGID,
 		SysCapset: unix.SYS_CAPSET,
-		Landlock:  landlockRules(),
+		SysCapget: unix.SYS_CAPGET,
+		AgentCaps: boxplan.CapMask(agentCaps),
+		Landlock:  zygoteLandlock(p.Landlock),
 		Seccomp:   z.prog,
-		Agent:     "/.kiln/agent",
+		Agent:     boxplan.AgentPath,
 		AgentArgs: b.agentArgs(spec),
-		Env:       b.env(),
+		Env:       p.Env,
 	}
+}
+
+// zygoteMounts are the plan's per-box mounts, in the order the direct
+// init makes them (buildRoot): the tmpfs, a fresh /proc with /proc/sys
+// read-only, then the masks over /proc.
+func zygoteMounts(p boxplan.Plan) []planMount {
+	const procFlags = unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOEXEC
+	var mounts []planMount
+	for _, t := range p.Tmpfs {
+		mounts = append(mounts, planMount{Src: "tmpfs", Dst: t.Path, Type: "tmpfs", Flags: unix.MS_NOSUID | unix.MS_NODEV, Data: t.Options()})
+	}
+	mounts = append(mounts,
+		planMount{Src: "proc", Dst: "/proc", Type: "proc", Flags: procFlags},
+		planMount{Src: "/proc/sys", Dst: "/proc/sys", Flags: unix.MS_BIND | unix.MS_REC},
+		planMount{Dst: "/proc/sys", Flags: unix.MS_BIND | unix.MS_REMOUNT | unix.MS_RDONLY | procFlags},
+	)
+	for _, m := range p.ProcMasks {
+		mounts = append(mounts, planMount{Src: "/dev/null", Dst: "/proc/" + m, Flags: unix.MS_BIND, IfExists: true})
+	}
+	return mounts
+}
+
+// zygoteRlimits are the plan's rlimits as (resource, value) pairs.
+func zygoteRlimits(p boxplan.Plan) [][2]uint64 {
+	out := make([][2]uint64, 0, len(p.Rlimits))
+	for _, l := range p.Rlimits {
+		out = append(out, [2]uint64{uint64(rlimitResources[l.Name]), l.Value})
+	}
+	return out
 }
 
 // Landlock rights as go-landlock's helpers define them, for restrictFS's
@@ -126,43 +156,36 @@ const (
 // llSupported is the filesystem rights each Landlock ABI knows, up to V5.
 var llSupported = []uint64{0, 1<<13 - 1, 1<<14 - 1, 1<<15 - 1, 1<<15 - 1, 1<<16 - 1}
 
-// landlockRules mirrors restrictFS as data; nil when Landlock is absent.
-func landlockRules() *landlockPlan {
+// llAccess is the rights of each of the plan's kinds of rule, as
+// restrictFS grants them through go-landlock.
+var llAccess = map[boxplan.Access]uint64{
+	boxplan.ListDir:       llsys.AccessFSReadDir,
+	boxplan.ReadDir:       llRead,
+	boxplan.ReadWriteDir:  llRead | llWrite,
+	boxplan.ReadWriteFile: (llRead | llWrite) & llFile,
+}
+
+// zygoteLandlock is the plan's Landlock rules as raw rights of the running
+// kernel's ABI; nil when Landlock is absent.
+func zygoteLandlock(rules []boxplan.PathRule) *landlockPlan {
 	abi, err := llsys.LandlockGetABIVersion()
 	if err != nil || abi <= 0 {
 		return nil
 	}
 	handled := llSupported[min(abi, len(llSupported)-1)]
-	ro := []string{"/etc", "/proc", "/dev", "/.kiln"}
-	for _, d := range runtimeDirs {
-		if st, err := os.Lstat(d); err == nil && st.IsDir() {
-			ro = append(ro, d)
-		}
+	out := make([]landlockRule, 0, len(rules))
+	for _, r := range rules {
+		out = append(out, landlockRule{Path: r.Path, Access: llAccess[r.Access] & handled})
 	}
-	var rules []landlockRule
-	add := func(access uint64, paths ...string) {
-		for _, p := range paths {
-			rules = append(rules, landlockRule{Path: p, Access: access & handled})
-		}
-	}
-	add(llRead, ro...)
-	add(llsys.AccessFSReadDir, "/")
-	add(llRead|llWrite, "/work", "/tmp", "/dev/shm")
-	add((llRead|llWrite)&llFile, "/dev/null", "/dev/zero", "/dev/full")
-	return &landlockPlan{Handled: handled, Rules: rules}
+	return &landlockPlan{Handled: handled, Rules: out}
 }
 
-// seccompProgram assembles seccompFilter into the kernel's struct
-// sock_filter array.
+// seccompProgram assembles the box's seccomp program (seccomp.go) into
+// the kernel's struct sock_filter array.
 func seccompProgram() ([]byte, error) {
-	f := seccompFilter()
-	insts, err := f.Policy.Assemble()
+	raw, err := seccompRaw()
 	if err != nil {
-		return nil, fmt.Errorf("assembling seccomp policy: %w", err)
-	}
-	raw, err := bpf.Assemble(insts)
-	if err != nil {
-		return nil, fmt.Errorf("assembling seccomp program: %w", err)
+		return nil, err
 	}
 	out := make([]byte, 0, 8*len(raw))
 	for _, r := range raw {

@@ -17,9 +17,9 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -28,6 +28,7 @@ import (
 	"kiln/internal/agentproto"
 	"kiln/internal/guestinit"
 	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/boxkit"
 )
 
 // Backend creates microVM boxes. It is safe for concurrent use.
@@ -36,15 +37,19 @@ type Backend struct {
 	log   *slog.Logger
 	notes []string
 
-	mu        sync.Mutex
-	templates map[string]*template
-	live      map[*vm]struct{}
-	closed    bool
-	tscKHz    int64 // TCG only: the guest's TSC rate, see kernelCmdline
+	tpls *boxkit.TemplateCache[*template]
+
+	mu     sync.Mutex
+	live   map[*vm]struct{}
+	closed bool
+	tscKHz int64 // TCG only: the guest's TSC rate, see kernelCmdline
+
+	self    string        // kiln's executable, re-executed as QEMU's jail init
+	uidSlot atomic.Uint32 // picks each jailed QEMU's host uid
 }
 
 // New checks opts and returns the backend. It does not boot anything:
-// templates are made on first use (or by Prepare).
+// templates are made on first use (or by Warm).
 func New(opts Options) (*Backend, error) {
 	if opts.Image == nil {
 		return nil, ErrNoImage
@@ -76,16 +81,39 @@ func New(opts Options) (*Backend, error) {
 			opts.BootTimeout = 5 * time.Minute
 		}
 	}
+	switch {
+	case opts.TemplateMaxClones == 0:
+		opts.TemplateMaxClones = DefaultTemplateMaxClones
+	case opts.TemplateMaxClones < 0:
+		opts.TemplateMaxClones = 0
+	}
+	switch {
+	case opts.TemplateMaxAge == 0:
+		opts.TemplateMaxAge = DefaultTemplateMaxAge
+	case opts.TemplateMaxAge < 0:
+		opts.TemplateMaxAge = 0
+	}
 	if err := vmmDirs("microvm", &opts.StateDir, &opts.RunDir, &opts.Cgroup); err != nil {
 		return nil, err
 	}
 	removeOrphans(opts.Cgroup)
-	b := &Backend{
-		opts:      opts,
-		log:       opts.Logger.With("backend", "microvm", "accel", opts.Accel),
-		templates: map[string]*template{},
-		live:      map[*vm]struct{}{},
+	self, err := os.Executable()
+	if err != nil {
+		return nil, fmt.Errorf("finding own executable: %w", err)
 	}
+	b := &Backend{
+		self: self,
+		opts: opts,
+		log:  opts.Logger.With("backend", "microvm", "accel", opts.Accel),
+		live: map[*vm]struct{}{},
+	}
+	b.tpls = boxkit.NewTemplateCache(boxkit.TemplateOptions[*template]{
+		Name:             "template",
+		Stop:             (*template).close,
+		KeepInUseOnClose: true, // a restore under way reads its memfd
+		Rotation:         boxkit.Rotation{MaxUses: opts.TemplateMaxClones, MaxAge: opts.TemplateMaxAge},
+		Logger:           b.log,
+	})
 	if opts.Accel == AccelTCG {
 		if ci, err := os.ReadFile("/proc/cpuinfo"); err == nil {
 			b.tscKHz = hostTSCKHz(string(ci))
@@ -98,12 +126,28 @@ func New(opts Options) (*Backend, error) {
 	for _, n := range b.notes {
 		b.log.Warn(n)
 	}
+	var slot [4]byte
+	rand.Read(slot[:])
+	b.uidSlot.Store(binary.BigEndian.Uint32(slot[:]))
 	return b, nil
 }
 
 // Check implements sandbox.Checker: the image's files exist, QEMU runs,
-// and under KVM /dev/kvm opens.
+// under KVM /dev/kvm opens, and a VM starts and runs a command.
 func (b *Backend) Check(ctx context.Context) error {
+	if err := b.checkHost(ctx); err != nil {
+		return err
+	}
+	box, err := b.Create(ctx, sandbox.Spec{ID: "doctor"})
+	if err != nil {
+		return fmt.Errorf("starting a VM: %w", err)
+	}
+	defer box.Close()
+	return sandbox.Probe(ctx, box)
+}
+
+// checkHost checks what a VM needs from the host, without starting one.
+func (b *Backend) checkHost(ctx context.Context) error {
 	for _, p := range []string{b.opts.Image.KernelPath(), b.opts.Image.InitrdPath(), b.opts.Image.RootfsPath()} {
 		if _, err := os.Stat(p); err != nil {
 			return fmt.Errorf("checking image: %w", err)
@@ -144,11 +188,12 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 		return nil, err
 	}
 	sb, err := b.restore(ctx, id, tpl, limits)
-	if err != nil && ctx.Err() == nil && !tpl.fresh {
+	if err != nil && ctx.Err() == nil && !tpl.Value.fresh {
 		// A template saved by an earlier run may not load (a QEMU
 		// upgrade that kept its mtime, a damaged file): make it again.
 		b.log.Warn("restoring saved template failed; making it again", "err", err)
-		b.dropTemplate(tpl)
+		b.tpls.Drop(tpl)
+		os.RemoveAll(tpl.Value.dir)
 		if tpl, err = b.template(ctx, cfg, limits); err != nil {
 			return nil, err
 		}
@@ -157,12 +202,14 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 	return sb, err
 }
 
-// Prepare makes (or loads) the template for spec's shape now, so that the
-// first Create does not wait for a boot. Servers call it at start.
-func (b *Backend) Prepare(ctx context.Context, spec sandbox.Spec) error {
+// Warm implements sandbox.Warmer: it makes (or loads) the template for
+// spec's shape now, so that the first Create does not wait for a boot.
+// Servers call it at start.
+func (b *Backend) Warm(ctx context.Context, spec sandbox.Spec) error {
 	limits := spec.Limits.WithDefaults()
-	_, err := b.template(ctx, b.vmConfig(limits, cleanPreload(spec.Preload)), limits)
-	return err
+	cfg := b.vmConfig(limits, cleanPreload(spec.Preload))
+	key := b.templateKey(cfg)
+	return b.tpls.Warm(ctx, key, b.buildTemplate(key, cfg, limits))
 }
 
 // Close kills every live VM and removes the run directory. Templates stay
@@ -177,6 +224,9 @@ func (b *Backend) Close() error {
 	for v := range live {
 		errs = append(errs, v.destroy())
 	}
+	// A template being made fails now that the backend is closed; one in
+	// use is closed when its last restore is done.
+	b.tpls.Close()
 	if !b.opts.Verbose {
 		errs = append(errs, os.RemoveAll(b.opts.RunDir))
 	}
@@ -194,26 +244,26 @@ func (b *Backend) vmConfig(l sandbox.Limits, preload []string) vmConfig {
 		Kernel:    im.KernelPath(),
 		Initrd:    im.InitrdPath(),
 		Rootfs:    im.RootfsPath(),
-		Cmdline:   kernelCmdline(l, preload, b.opts.Verbose, b.tscKHz),
+		Cmdline:   kernelCmdline(l, preload, b.opts.Verbose, b.tscKHz, "serial"),
 		Seccomp:   !b.opts.NoSeccomp,
 	}
 }
 
 // qemuLimits are the cgroup limits of one QEMU process: guest RAM plus the
 // VMM's own overhead (TCG's translation cache is the larger part of it).
-func (b *Backend) qemuLimits(cfg vmConfig, l sandbox.Limits) cgroupLimits {
+func (b *Backend) qemuLimits(cfg vmConfig, l sandbox.Limits) boxkit.CgroupLimits {
 	overhead := int64(192 << 20)
 	if cfg.Accel == AccelTCG {
 		overhead += 256 << 20
 	}
-	return cgroupLimits{MemoryBytes: cfg.MemoryMiB<<20 + overhead, Pids: 128, CPUs: l.CPUs}
+	return boxkit.CgroupLimits{MemoryBytes: cfg.MemoryMiB<<20 + overhead, Pids: 128, CPUs: l.CPUs}
 }
 
 // coldBoot boots a fresh VM and waits for its agent.
 func (b *Backend) coldBoot(ctx context.Context, id string, cfg vmConfig, l sandbox.Limits) (sandbox.Sandbox, error) {
 	ctx, cancel := context.WithTimeout(ctx, b.opts.BootTimeout)
 	defer cancel()
-	v, err := b.start(ctx, id, cfg, l, nil)
+	v, err := b.start(ctx, id, cfg, l, nil, nil)
 	if err != nil {
 		return nil, fmt.Errorf("booting vm: %w", err)
 	}
@@ -226,17 +276,19 @@ func (b *Backend) coldBoot(ctx context.Context, id string, cfg vmConfig, l sandb
 
 // restore starts a clone of tpl and hands out its agent. The clone's agent
 // said hello in the template already; the saved frame is replayed.
-func (b *Backend) restore(ctx context.Context, id string, tpl *template, l sandbox.Limits) (sandbox.Sandbox, error) {
-	state, err := os.Open(tpl.statePath())
+func (b *Backend) restore(ctx context.Context, id string, tt *boxkit.Template[*template], l sandbox.Limits) (sandbox.Sandbox, error) {
+	defer b.tpls.Release(tt)
+	tpl := tt.Value
+	state, err := tpl.openState()
 	if err != nil {
 		return nil, fmt.Errorf("restoring vm: %w", err)
 	}
 	defer state.Close()
 	cfg := tpl.cfg
-	cfg.MemFile = tpl.memPath()
+	cfg.MemFile = memFDPath
 	cfg.MemShared = false
 	cfg.Incoming = true
-	v, err := b.start(ctx, id, cfg, l, state)
+	v, err := b.start(ctx, id, cfg, l, state, tpl.mem)
 	if err != nil {
 		return nil, fmt.Errorf("restoring vm: %w", err)
 	}
@@ -250,32 +302,17 @@ func (b *Backend) restore(ctx context.Context, id string, tpl *template, l sandb
 		{"wait loaded", v.waitMigrated},
 		// The template was paused when saved, so the clone is too.
 		{"resume", v.qmp.cont},
-		{"reseed guest", v.reseed},
 	}
 	if err := runSteps(ctx, v.log, steps); err != nil {
 		v.destroy()
 		return nil, fmt.Errorf("restoring vm: %w%s", err, v.consoleTail())
 	}
-	stream := &replayStream{r: io.MultiReader(bytes.NewReader(tpl.hello), v.agent), Conn: v.agent}
-	sb, err := sandbox.NewAgentConn(ctx, id, stream, v.destroy)
+	sb, err := sandbox.RestoreConn(ctx, id, v.agent, tpl.hello, v.destroy, &sandbox.RestoreOptions{ReseedGuest: v.reseed})
 	if err != nil {
-		return nil, fmt.Errorf("restoring vm: %w", err)
-	}
-	// Clones share the template's memory, Python's random state included.
-	if _, err := sb.RunPython(ctx, sandbox.ReseedCell, sandbox.ExecOptions{MaxOutput: 4096}); err != nil {
-		sb.Close()
-		return nil, fmt.Errorf("reseeding restored vm: %w", err)
+		return nil, fmt.Errorf("restoring vm: %w%s", err, v.consoleTail())
 	}
 	return sb, nil
 }
-
-// replayStream reads a saved hello frame, then the agent.
-type replayStream struct {
-	r io.Reader
-	net.Conn
-}
-
-func (s *replayStream) Read(p []byte) (int, error) { return s.r.Read(p) }
 
 // step is one named part of booting or restoring a VM, logged and timed.
 type step struct {
@@ -304,16 +341,17 @@ type vm struct {
 	seed  net.Conn
 	qmp   *qmp
 
+	console string // host path of the guest console log
+
 	exited  chan struct{}
 	stderr  *bytes.Buffer
-	cleanup []func() error // LIFO
-	once    sync.Once
-	err     error
+	cleanup boxkit.Cleanup
 }
 
 // start spawns QEMU for cfg with its sockets, in its own cgroup and
-// namespaces, and connects QMP. state is passed as the migration fd.
-func (b *Backend) start(ctx context.Context, id string, cfg vmConfig, l sandbox.Limits, state *os.File) (_ *vm, err error) {
+// jailed (see jail_linux.go), and connects QMP. state is passed as the
+// migration fd, mem as the guest RAM (cfg.MemFile is then memFDPath).
+func (b *Backend) start(ctx context.Context, id string, cfg vmConfig, l sandbox.Limits, state, mem *os.File) (_ *vm, err error) {
 	b.mu.Lock()
 	closed := b.closed
 	b.mu.Unlock()
@@ -332,56 +370,30 @@ func (b *Backend) start(ctx context.Context, id string, cfg vmConfig, l sandbox.
 	if err := os.Mkdir(v.dir, 0o700); err != nil {
 		return nil, err
 	}
-	cfg.Console = filepath.Join(v.dir, "console.log")
+	v.console = filepath.Join(v.dir, "console.log")
+	cfg.Console = v.console
 
-	agentHost, agentChild, err := socketpair()
+	qmpHost, children, err := v.openSockets()
 	if err != nil {
 		return nil, err
 	}
-	v.agent = agentHost
-	v.defer_(closer(agentHost))
-	qmpHost, qmpChild, err := socketpair()
+	defer closeFiles(children)
+	cmd, opened, err := b.qemuCmd(v, cfg, append(children, state, mem))
 	if err != nil {
-		agentChild.Close()
 		return nil, err
 	}
-	v.defer_(closer(qmpHost))
-	seedHost, seedChild, err := socketpair()
-	if err != nil {
-		agentChild.Close()
-		qmpChild.Close()
-		return nil, err
-	}
-	v.seed = seedHost
-	v.defer_(closer(seedHost))
-
-	cmd := exec.Command(cfg.QEMU, cfg.args()...)
-	cmd.ExtraFiles = []*os.File{agentChild, qmpChild, seedChild}
-	if state != nil {
-		cmd.ExtraFiles = append(cmd.ExtraFiles, state)
-	}
-	cmd.Stdout = v.stderr
-	cmd.Stderr = v.stderr
-	cmd.Env = []string{"PATH=/usr/bin:/bin"}
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
-	if !b.opts.NoNamespaces {
-		cmd.SysProcAttr.Cloneflags = unix.CLONE_NEWNET | unix.CLONE_NEWIPC | unix.CLONE_NEWUTS | unix.CLONE_NEWNS | unix.CLONE_NEWPID
-	}
-	var cg *cgroup
+	defer closeFiles(opened)
+	var cg *boxkit.CgroupGroup
 	if !b.opts.NoCgroup {
 		if cg, err = newCgroup(b.opts.Cgroup, id, b.qemuLimits(cfg, l)); err != nil {
-			agentChild.Close()
-			qmpChild.Close()
-			seedChild.Close()
 			return nil, err
 		}
-		v.defer_(cg.remove)
+		v.defer_(cg.Destroy)
 	}
-	v.log.Debug("starting qemu", "args", strings.Join(cfg.args(), " "))
+	v.log.Debug("starting qemu", "args", strings.Join(cmd.Args, " "))
 	err = cmd.Start()
-	agentChild.Close()
-	qmpChild.Close()
-	seedChild.Close()
+	// QEMU holds the child ends now; ours would hide its EOF.
+	closeFiles(children)
 	if err != nil {
 		return nil, fmt.Errorf("starting qemu: %w", err)
 	}
@@ -396,7 +408,7 @@ func (b *Backend) start(ctx context.Context, id string, cfg vmConfig, l sandbox.
 		close(v.exited)
 	}()
 	if cg != nil {
-		if err := cg.add(cmd.Process.Pid); err != nil {
+		if err := cg.Add(cmd.Process.Pid); err != nil {
 			return nil, err
 		}
 	}
@@ -419,7 +431,45 @@ func (b *Backend) start(ctx context.Context, id string, cfg vmConfig, l sandbox.
 	return v, nil
 }
 
-func (v *vm) defer_(f func() error) { v.cleanup = append(v.cleanup, f) }
+// openSockets opens the VM's agent, QMP and seed sockets and pushes the
+// closing of their host ends. It returns the QMP host end and the child
+// ends, for QEMU's fds 3, 4 and 5, which the caller closes.
+func (v *vm) openSockets() (qmpHost net.Conn, children []*os.File, err error) {
+	defer func() {
+		if err != nil {
+			closeFiles(children)
+		}
+	}()
+	for _, host := range []*net.Conn{&v.agent, &qmpHost, &v.seed} {
+		h, child, err := socketpair()
+		if err != nil {
+			return nil, children, err
+		}
+		*host = h
+		v.defer_(closer(h))
+		children = append(children, child)
+	}
+	return qmpHost, children, nil
+}
+
+// qemuCmd is the QEMU command for cfg with files as its fds from 3 on,
+// its output going to v.stderr: jailed (jail_linux.go) unless
+// NoNamespaces. The caller closes opened once QEMU has started.
+func (b *Backend) qemuCmd(v *vm, cfg vmConfig, files []*os.File) (cmd *exec.Cmd, opened []*os.File, err error) {
+	if b.opts.NoNamespaces {
+		cmd = exec.Command(cfg.QEMU, cfg.args()...)
+		cmd.ExtraFiles = files
+		cmd.Env = []string{"PATH=/usr/bin:/bin"}
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
+	} else if cmd, opened, err = b.jailedQEMU(v, cfg, files); err != nil {
+		return nil, nil, fmt.Errorf("jailing qemu: %w", err)
+	}
+	cmd.Stdout = v.stderr
+	cmd.Stderr = v.stderr
+	return cmd, opened, nil
+}
+
+func (v *vm) defer_(f func() error) { v.cleanup.Add(f) }
 
 // closer closes c, which its user may have closed already.
 func closer(c io.Closer) func() error {
@@ -432,32 +482,27 @@ func closer(c io.Closer) func() error {
 }
 
 // destroy kills QEMU and undoes everything start did, once.
-func (v *vm) destroy() error {
-	v.once.Do(func() {
-		var errs []error
-		for i := len(v.cleanup) - 1; i >= 0; i-- {
-			errs = append(errs, v.cleanup[i]())
-		}
-		v.err = errors.Join(errs...)
-	})
-	return v.err
-}
+func (v *vm) destroy() error { return v.cleanup.Run() }
 
 // reseed sends the guest fresh entropy and the time, and waits for
 // guestinit to have reseeded the kernel's RNG and set the clock: without
 // it every clone of a template would draw the same random numbers until
 // the kernel reseeded by itself, and under KVM its clock would stand at
 // the template's save time.
-func (v *vm) reseed(ctx context.Context) error {
-	stop := context.AfterFunc(ctx, func() { v.seed.Close() })
+func (v *vm) reseed(ctx context.Context) error { return sendSeed(ctx, v.seed) }
+
+// sendSeed writes one seed message (guestinit.SeedPortName) to port and
+// waits for its answer; ctx's end closes port.
+func sendSeed(ctx context.Context, port io.ReadWriteCloser) error {
+	stop := context.AfterFunc(ctx, func() { port.Close() })
 	defer stop()
 	seed := make([]byte, guestinit.SeedMessageSize)
 	rand.Read(seed[:guestinit.SeedSize])
 	binary.BigEndian.PutUint64(seed[guestinit.SeedSize:], uint64(time.Now().UnixNano()))
-	if _, err := v.seed.Write(seed); err != nil {
+	if _, err := port.Write(seed); err != nil {
 		return errors.Join(err, ctx.Err())
 	}
-	if _, err := io.ReadFull(v.seed, seed[:1]); err != nil {
+	if _, err := io.ReadFull(port, seed[:1]); err != nil {
 		return errors.Join(err, ctx.Err())
 	}
 	return nil
@@ -490,17 +535,27 @@ func (v *vm) waitMigrated(ctx context.Context) error {
 // errors.
 func (v *vm) consoleTail() string {
 	var s strings.Builder
-	if b, err := os.ReadFile(filepath.Join(v.dir, "console.log")); err == nil && len(b) > 0 {
+	if b, err := os.ReadFile(v.console); err == nil && len(b) > 0 {
 		s.WriteString("\nguest console:\n" + lastLines(string(b), 20))
 	}
 	select {
 	case <-v.exited:
 		if e := strings.TrimSpace(v.stderr.String()); e != "" {
-			s.WriteString("\nqemu: " + lastLines(e, 10))
+			s.WriteString("\nqemu: " + headTail(e, 8, 4))
 		}
-	default:
+	case <-time.After(time.Second): // still running, or its exit not seen yet
 	}
 	return s.String()
+}
+
+// headTail keeps the first head and last tail lines of s (a crash's
+// message comes first, QEMU's last).
+func headTail(s string, head, tail int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(lines) <= head+tail {
+		return strings.Join(lines, "\n")
+	}
+	return strings.Join(lines[:head], "\n") + "\n…\n" + strings.Join(lines[len(lines)-tail:], "\n")
 }
 
 func lastLines(s string, n int) string {
@@ -530,21 +585,38 @@ func socketpair() (net.Conn, *os.File, error) {
 
 // template is a saved VM that clones are restored from. Its directory in
 // StateDir holds the guest RAM (mem), the device state (state) and the
-// agent's hello frame (hello); it is written once and never modified, as
-// clones map mem privately.
+// agent's hello frame (hello); it is written once and never modified. In
+// memory it is open: the RAM as a sealed memfd that clones map privately,
+// the state as a file each clone reopens, so the directory may go while
+// the template still serves.
 type template struct {
 	key   string
 	dir   string
 	cfg   vmConfig
-	hello []byte // the raw frame, length prefix included
-	fresh bool   // made by this process
-
-	ready chan struct{}
-	err   error
+	hello agentproto.Hello
+	fresh bool // made by this process
+	mem   *os.File
+	state *os.File
 }
 
 func (t *template) memPath() string   { return filepath.Join(t.dir, "mem") }
 func (t *template) statePath() string { return filepath.Join(t.dir, "state") }
+
+// openState opens the template's device state afresh (its own offset),
+// through the descriptor the template holds.
+func (t *template) openState() (*os.File, error) {
+	return os.Open(fmt.Sprintf("/proc/self/fd/%d", t.state.Fd()))
+}
+
+// close releases the template's memfd and state once nothing uses them.
+func (t *template) close() {
+	if t.mem != nil {
+		t.mem.Close()
+	}
+	if t.state != nil {
+		t.state.Close()
+	}
+}
 
 // templateKey names a template: everything that shapes the VM and the
 // saved state, the QEMU binary included.
@@ -569,67 +641,71 @@ func hashKey(b []byte) string {
 	return hex.EncodeToString(s[:])[:16]
 }
 
-// template returns the ready template for cfg, making it if needed. Only
-// one caller makes a given template; the others wait (or give up with
-// their ctx, which does not stop the making).
-func (b *Backend) template(ctx context.Context, cfg vmConfig, l sandbox.Limits) (*template, error) {
+// template returns the ready template for cfg, making it if needed, and
+// counts a clone against it; the caller releases it when its restore is
+// done. Only one caller makes a given template; the others wait (or give
+// up with their ctx, which does not stop the making).
+func (b *Backend) template(ctx context.Context, cfg vmConfig, l sandbox.Limits) (*boxkit.Template[*template], error) {
 	key := b.templateKey(cfg)
-	b.mu.Lock()
-	t, ok := b.templates[key]
-	if !ok {
-		t = &template{key: key, dir: filepath.Join(b.opts.StateDir, "tpl-"+key), cfg: cfg, ready: make(chan struct{})}
-		b.templates[key] = t
-		go b.makeTemplate(t, l)
-	}
-	b.mu.Unlock()
-	select {
-	case <-t.ready:
-	case <-ctx.Done():
-		return nil, fmt.Errorf("waiting for template: %w", ctx.Err())
-	}
-	if t.err != nil {
-		b.mu.Lock()
-		if b.templates[key] == t {
-			delete(b.templates, key) // let a later Create try again
+	return b.tpls.Get(ctx, key, b.buildTemplate(key, cfg, l))
+}
+
+// buildTemplate loads a saved template (unless it replaces one) or boots
+// and saves a new one.
+func (b *Backend) buildTemplate(key string, cfg vmConfig, l sandbox.Limits) boxkit.TemplateBuild[*template] {
+	return func(ctx context.Context, replacing bool) (*template, time.Time, error) {
+		t := &template{key: key, dir: filepath.Join(b.opts.StateDir, "tpl-"+key), cfg: cfg}
+		if !replacing {
+			born, err := b.loadTemplate(t)
+			if err == nil {
+				b.log.Info("using saved template", "template", t.key)
+				return t, born, nil
+			} else if !errors.Is(err, os.ErrNotExist) {
+				b.log.Warn("saved template unusable; making it again", "template", t.key, "err", err)
+			}
 		}
-		b.mu.Unlock()
-		return nil, t.err
+		start := time.Now()
+		b.log.Info("booting template vm (once per image and shape, and at every rotation)", "template", t.key)
+		ctx, cancel := context.WithTimeout(ctx, b.opts.BootTimeout)
+		defer cancel()
+		if err := b.saveTemplate(ctx, t, l); err != nil {
+			return nil, time.Time{}, fmt.Errorf("making template: %w", err)
+		}
+		t.fresh = true
+		b.log.Info("template saved", "template", t.key, "took", time.Since(start).Round(time.Millisecond))
+		return t, time.Time{}, nil
 	}
-	return t, nil
 }
 
-func (b *Backend) dropTemplate(t *template) {
-	b.mu.Lock()
-	if b.templates[t.key] == t {
-		delete(b.templates, t.key)
+// loadTemplate opens the template saved in t.dir, and says when it was
+// saved: its age counts from then.
+func (b *Backend) loadTemplate(t *template) (time.Time, error) {
+	fi, err := os.Stat(filepath.Join(t.dir, "hello"))
+	if err != nil {
+		return time.Time{}, err
 	}
-	b.mu.Unlock()
-	os.RemoveAll(t.dir)
+	hello, err := loadHello(filepath.Join(t.dir, "hello"))
+	if err != nil {
+		return time.Time{}, err
+	}
+	state, err := os.Open(t.statePath())
+	if err != nil {
+		return time.Time{}, err
+	}
+	mem, err := loadMemfd(t.memPath())
+	if err != nil {
+		state.Close()
+		return time.Time{}, err
+	}
+	t.hello, t.state, t.mem = hello, state, mem
+	return fi.ModTime(), nil
 }
 
-// makeTemplate loads a saved template or boots and saves a new one.
-func (b *Backend) makeTemplate(t *template, l sandbox.Limits) {
-	defer close(t.ready)
-	if hello, err := os.ReadFile(filepath.Join(t.dir, "hello")); err == nil {
-		t.hello = hello
-		b.log.Info("using saved template", "template", t.key)
-		return
-	}
-	start := time.Now()
-	b.log.Info("booting template vm (once per image and shape)", "template", t.key)
-	ctx, cancel := context.WithTimeout(context.Background(), b.opts.BootTimeout)
-	defer cancel()
-	if err := b.saveTemplate(ctx, t, l); err != nil {
-		t.err = fmt.Errorf("making template: %w", err)
-		return
-	}
-	t.fresh = true
-	b.log.Info("template saved", "template", t.key, "took", time.Since(start).Round(time.Millisecond))
-}
-
-// saveTemplate boots the template VM with its RAM in a shared file, waits
+// saveTemplate boots the template VM with its RAM in a shared memfd, waits
 // for the agent's hello, pauses it and writes its device state (the RAM is
-// skipped: x-ignore-shared), then renames the directory into place.
+// skipped: x-ignore-shared), seals the RAM, writes it beside the state for
+// later runs, then renames the directory into place (replacing an older
+// template of the same key).
 func (b *Backend) saveTemplate(ctx context.Context, t *template, l sandbox.Limits) error {
 	tmp := t.dir + ".tmp-" + randomID()
 	if err := os.MkdirAll(tmp, 0o700); err != nil {
@@ -641,38 +717,42 @@ func (b *Backend) saveTemplate(ctx context.Context, t *template, l sandbox.Limit
 			os.RemoveAll(tmp)
 		}
 	}()
-	state, err := os.OpenFile(filepath.Join(tmp, "state"), os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
+	state, err := os.OpenFile(filepath.Join(tmp, "state"), os.O_CREATE|os.O_RDWR|os.O_TRUNC, 0o600)
 	if err != nil {
 		return err
 	}
-	defer state.Close()
+	defer func() {
+		if !ok {
+			state.Close()
+		}
+	}()
 	cfg := t.cfg
-	cfg.MemFile = filepath.Join(tmp, "mem")
+	mem, err := newMemfd("kiln-template", cfg.MemoryMiB<<20)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if !ok {
+			mem.Close()
+		}
+	}()
+	cfg.MemFile = memFDPath
 	cfg.MemShared = true
-	v, err := b.start(ctx, "template-"+t.key, cfg, l, nil)
+	v, err := b.start(ctx, "template-"+t.key+"-"+randomID()[:4], cfg, l, nil, mem)
 	if err != nil {
 		return fmt.Errorf("booting vm: %w", err)
 	}
 	defer v.destroy()
-	var hello []byte
+	var hello agentproto.Hello
 	steps := []step{
 		{"wait for agent", func(ctx context.Context) error {
 			stop := context.AfterFunc(ctx, func() { v.agent.Close() })
 			defer stop()
-			var raw json.RawMessage
-			if err := agentproto.ReadFrame(v.agent, &raw); err != nil {
+			var err error
+			if hello, err = readHello(v.agent); err != nil {
 				return errors.Join(err, ctx.Err())
 			}
-			var h agentproto.Hello
-			if err := json.Unmarshal(raw, &h); err != nil {
-				return err
-			}
-			if h.Error != "" {
-				return fmt.Errorf("agent: %s", h.Error)
-			}
-			hello = binary.BigEndian.AppendUint32(nil, uint32(len(raw)))
-			hello = append(hello, raw...)
-			b.log.Info("template agent ready", "python", h.Python, "preloaded", h.Preloaded)
+			b.log.Info("template agent ready", "python", hello.Python, "preloaded", hello.Preloaded)
 			return nil
 		}},
 		{"set migration capabilities", func(ctx context.Context) error {
@@ -713,22 +793,30 @@ func (b *Backend) saveTemplate(ctx context.Context, t *template, l sandbox.Limit
 	if err := runSteps(ctx, v.log, steps); err != nil {
 		return fmt.Errorf("%w%s", err, v.consoleTail())
 	}
-	if err := errors.Join(state.Sync(), os.WriteFile(filepath.Join(tmp, "hello"), hello, 0o600)); err != nil {
+	if err := sealMemfd(mem); err != nil {
 		return err
 	}
-	os.Rename(filepath.Join(v.dir, "console.log"), filepath.Join(tmp, "console.log"))
+	memFile, err := os.OpenFile(filepath.Join(tmp, "mem"), os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
+	if err != nil {
+		return err
+	}
+	err = errors.Join(copySparse(memFile, mem), memFile.Sync(), memFile.Close(), state.Sync(),
+		writeHello(filepath.Join(tmp, "hello"), hello))
+	if err != nil {
+		return fmt.Errorf("storing template: %w", err)
+	}
+	os.Rename(v.console, filepath.Join(tmp, "console.log"))
+	// A template of this key saved before (by an earlier run, or the one
+	// this replaces) goes; its users hold its files open.
+	old := t.dir + ".old-" + randomID()
+	if os.Rename(t.dir, old) == nil {
+		defer os.RemoveAll(old)
+	}
 	if err := os.Rename(tmp, t.dir); err != nil {
-		// Another process may have stored the same template first: use
-		// its files, which belong together.
-		theirs, err2 := os.ReadFile(filepath.Join(t.dir, "hello"))
-		if err2 != nil {
-			return fmt.Errorf("storing template: %w", err)
-		}
-		t.hello = theirs
-		return nil
+		return fmt.Errorf("storing template: %w", err)
 	}
 	ok = true
-	t.hello = hello
+	t.hello, t.mem, t.state = hello, mem, state
 	b.pruneTemplates(t.dir)
 	return nil
 }
@@ -750,12 +838,10 @@ func (b *Backend) pruneTemplates(keep string) {
 		}
 	}
 	slices.SortFunc(ts, func(a, b tpl) int { return int(b.t - a.t) })
-	b.mu.Lock()
 	inUse := map[string]bool{}
-	for _, t := range b.templates {
+	for _, t := range b.tpls.Values() {
 		inUse[t.dir] = true
 	}
-	b.mu.Unlock()
 	for i, t := range ts {
 		if i >= keepTemplates-1 && !inUse[t.dir] {
 			os.RemoveAll(t.dir)
@@ -787,28 +873,14 @@ func (b *Backend) qemuPIDs() []int {
 // directories of processes that are gone and empty VM cgroups. (Their QEMU
 // processes died with them: Pdeathsig.)
 func removeOrphans(cgroupName string) {
-	dirs, _ := filepath.Glob(filepath.Join(os.TempDir(), "kiln-microvm-*"))
-	for _, d := range dirs {
-		pid, err := strconv.Atoi(strings.TrimPrefix(filepath.Base(d), "kiln-microvm-"))
-		if err != nil || pid == os.Getpid() {
-			continue
-		}
-		if _, err := os.Stat(fmt.Sprintf("/proc/%d", pid)); errors.Is(err, os.ErrNotExist) {
-			os.RemoveAll(d)
-		}
-	}
-	cgs, _ := filepath.Glob(filepath.Join(cgroupRoot, "*", cgroupName, "*", "cgroup.procs"))
-	v2, _ := filepath.Glob(filepath.Join(cgroupRoot, cgroupName, "*", "cgroup.procs"))
-	for _, procs := range append(cgs, v2...) {
-		if b, err := os.ReadFile(procs); err == nil && len(strings.TrimSpace(string(b))) == 0 {
-			os.Remove(filepath.Dir(procs)) // fails harmlessly if in use
-		}
-	}
+	boxkit.SweepOrphans(os.TempDir(), "kiln-microvm-", os.RemoveAll)
+	removeOrphanCgroups(cgroupName)
 }
 
 // vmmDirs fills a VMM's defaults, named after it: templates under the
-// user's cache dir, per-VM files under a per-process temp dir, a cgroup
-// name; and creates the directories.
+// user's cache dir, per-VM files under a per-process temp dir named by the
+// process's owner stamp (kiln-<vmm>-<pid>.<start>), a cgroup name; and
+// creates the directories.
 func vmmDirs(vmm string, stateDir, runDir, cgroup *string) error {
 	if *stateDir == "" {
 		d, err := os.UserCacheDir()
@@ -818,7 +890,7 @@ func vmmDirs(vmm string, stateDir, runDir, cgroup *string) error {
 		*stateDir = filepath.Join(d, "kiln", vmm)
 	}
 	if *runDir == "" {
-		*runDir = filepath.Join(os.TempDir(), fmt.Sprintf("kiln-%s-%d", vmm, os.Getpid()))
+		*runDir = filepath.Join(os.TempDir(), "kiln-"+vmm+"-"+boxkit.Self().String())
 	}
 	if *cgroup == "" {
 		*cgroup = "kiln-" + vmm

@@ -27,7 +27,7 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 
 func (b *Backend) Close() error { return nil }
 
-func (b *Backend) Prepare(ctx context.Context, spec sandbox.Spec) error {
+func (b *Backend) Warm(ctx context.Context, spec sandbox.Spec) error {
 	return sandbox.ErrUnsupported
 }
 
@@ -46,3 +46,6 @@ func (f *Firecracker) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sa
 }
 
 func (f *Firecracker) Close() error { return nil }
+
+// MaybeInit does nothing off Linux.
+func MaybeInit() {}

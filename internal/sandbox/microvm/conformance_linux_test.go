@@ -11,5 +11,5 @@ import (
 // template, under TCG (timeouts scaled for emulation).
 func TestConformance(t *testing.T) {
 	b := newBackend(t, microvm.Options{})
-	sandboxtest.RunWith(t, b, sandboxtest.Options{Scale: 10})
+	sandboxtest.RunWith(t, b, sandboxtest.Options{Scale: 10, OwnKernel: true})
 }

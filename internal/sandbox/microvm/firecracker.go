@@ -35,7 +35,7 @@ type FirecrackerOptions struct {
 	Kernel      string // vmlinux for Firecracker
 	Firecracker string // binary; default "firecracker" from PATH
 	StateDir    string // templates; default os.UserCacheDir()/kiln/firecracker
-	RunDir      string // per-VM sockets; default os.TempDir()/kiln-firecracker-<pid>
+	RunDir      string // per-VM sockets; default os.TempDir()/kiln-firecracker-<pid>.<start>
 	Cgroup      string
 	NoCgroup    bool
 	BootTimeout time.Duration // default 60s

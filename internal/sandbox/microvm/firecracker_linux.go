@@ -1,13 +1,10 @@
 package microvm
 
 import (
-	"bytes"
 	"context"
-	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"os"
@@ -23,6 +20,7 @@ import (
 	"kiln/internal/agentproto"
 	"kiln/internal/guestinit"
 	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/boxkit"
 )
 
 // Firecracker is the Firecracker backend: like Backend, it restores every
@@ -31,11 +29,11 @@ import (
 type Firecracker struct {
 	opts FirecrackerOptions
 	log  *slog.Logger
+	tpls *boxkit.TemplateCache[*fcTemplate]
 
-	mu        sync.Mutex
-	templates map[string]*fcTemplate
-	live      map[*fcVM]struct{}
-	closed    bool
+	mu     sync.Mutex
+	live   map[*fcVM]struct{}
+	closed bool
 }
 
 var (
@@ -71,18 +69,33 @@ func NewFirecracker(opts FirecrackerOptions) (*Firecracker, error) {
 	if err := vmmDirs("firecracker", &opts.StateDir, &opts.RunDir, &opts.Cgroup); err != nil {
 		return nil, err
 	}
+	log := opts.Logger.With("backend", "firecracker")
 	return &Firecracker{
-		opts:      opts,
-		log:       opts.Logger.With("backend", "firecracker"),
-		templates: map[string]*fcTemplate{},
-		live:      map[*fcVM]struct{}{},
+		opts: opts,
+		log:  log,
+		tpls: boxkit.NewTemplateCache(boxkit.TemplateOptions[*fcTemplate]{Name: "template", Logger: log}),
+		live: map[*fcVM]struct{}{},
 	}, nil
 }
 
 func (f *Firecracker) Name() string { return "firecracker" }
 
-// Check implements sandbox.Checker.
+// Check implements sandbox.Checker: the kernel and image exist,
+// firecracker runs, /dev/kvm opens, and a VM starts and runs a command.
 func (f *Firecracker) Check(ctx context.Context) error {
+	if err := f.checkHost(ctx); err != nil {
+		return err
+	}
+	box, err := f.Create(ctx, sandbox.Spec{ID: "doctor"})
+	if err != nil {
+		return fmt.Errorf("starting a VM: %w", err)
+	}
+	defer box.Close()
+	return sandbox.Probe(ctx, box)
+}
+
+// checkHost checks what a VM needs from the host, without starting one.
+func (f *Firecracker) checkHost(ctx context.Context) error {
 	for _, p := range []string{f.opts.Kernel, f.opts.Image.RootfsPath()} {
 		if _, err := os.Stat(p); err != nil {
 			return fmt.Errorf("checking image: %w", err)
@@ -105,10 +118,12 @@ func (f *Firecracker) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sa
 	if id == "" {
 		id = randomID()
 	}
-	tpl, err := f.template(ctx, l, cleanPreload(spec.Preload))
+	tt, err := f.template(ctx, l, cleanPreload(spec.Preload))
 	if err != nil {
 		return nil, err
 	}
+	defer f.tpls.Release(tt)
+	tpl := tt.Value
 	v, err := f.start(ctx, id, l)
 	if err != nil {
 		return nil, fmt.Errorf("restoring vm: %w", err)
@@ -129,8 +144,20 @@ func (f *Firecracker) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sa
 		return nil, fmt.Errorf("restoring vm: %w", err)
 	}
 	v.defer_(closer(conn))
-	stream := &replayStream{r: io.MultiReader(bytes.NewReader(tpl.hello), conn), Conn: conn}
-	return sandbox.NewAgentConn(ctx, id, stream, v.destroy)
+	return sandbox.RestoreConn(ctx, id, conn, tpl.hello, v.destroy, &sandbox.RestoreOptions{
+		ReseedGuest: func(ctx context.Context) error { return reseedVsock(ctx, v.vsockPath()) },
+	})
+}
+
+// reseedVsock sends the restored guest its seed (see vm.reseed) on
+// guestinit's vsock seed port.
+func reseedVsock(ctx context.Context, uds string) error {
+	c, err := dialVsock(ctx, uds, guestinit.SeedVsockPort)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	return sendSeed(ctx, c)
 }
 
 // Close kills every live VM.
@@ -144,20 +171,27 @@ func (f *Firecracker) Close() error {
 	for v := range live {
 		errs = append(errs, v.destroy())
 	}
+	f.tpls.Close()
 	return errors.Join(append(errs, os.RemoveAll(f.opts.RunDir))...)
 }
 
 // dialAgentVsock connects to the agent's port, retrying while the guest
 // has not started listening yet (or is being restored).
 func dialAgentVsock(ctx context.Context, uds string) (net.Conn, error) {
+	return dialVsock(ctx, uds, agentVsockPort)
+}
+
+// dialVsock connects to a guest's vsock port, retrying while the guest has
+// not started listening yet (or is being restored).
+func dialVsock(ctx context.Context, uds string, port uint32) (net.Conn, error) {
 	for {
-		c, err := fcConnectVsock(ctx, uds, agentVsockPort)
+		c, err := fcConnectVsock(ctx, uds, port)
 		if err == nil {
 			return c, nil
 		}
 		select {
 		case <-ctx.Done():
-			return nil, fmt.Errorf("connecting to agent: %w", errors.Join(err, ctx.Err()))
+			return nil, fmt.Errorf("connecting to guest port %d: %w", port, errors.Join(err, ctx.Err()))
 		case <-time.After(10 * time.Millisecond):
 		}
 	}
@@ -168,25 +202,15 @@ type fcVM struct {
 	cmd     *exec.Cmd
 	api     *fcClient
 	exited  chan struct{}
-	cleanup []func() error
-	once    sync.Once
-	err     error
+	cleanup boxkit.Cleanup
 }
 
 func (v *fcVM) vsockPath() string      { return filepath.Join(v.dir, "v.sock") }
-func (v *fcVM) defer_(fn func() error) { v.cleanup = append(v.cleanup, fn) }
+func (v *fcVM) defer_(fn func() error) { v.cleanup.Add(fn) }
 func (v *fcVM) apiPath() string        { return filepath.Join(v.dir, "api.sock") }
 
-func (v *fcVM) destroy() error {
-	v.once.Do(func() {
-		var errs []error
-		for i := len(v.cleanup) - 1; i >= 0; i-- {
-			errs = append(errs, v.cleanup[i]())
-		}
-		v.err = errors.Join(errs...)
-	})
-	return v.err
-}
+// destroy kills Firecracker and undoes everything start did, once.
+func (v *fcVM) destroy() error { return v.cleanup.Run() }
 
 // fcID is what Firecracker accepts as an instance id.
 var fcID = regexp.MustCompile(`[^A-Za-z0-9-]`)
@@ -224,13 +248,13 @@ func (f *Firecracker) start(ctx context.Context, id string, l sandbox.Limits) (_
 	if os.Geteuid() != 0 {
 		cmd.SysProcAttr.Cloneflags = 0
 	}
-	var cg *cgroup
+	var cg *boxkit.CgroupGroup
 	if !f.opts.NoCgroup {
 		mem, _ := guestShape(l)
-		if cg, err = newCgroup(f.opts.Cgroup, id, cgroupLimits{MemoryBytes: mem<<20 + 64<<20, Pids: 64, CPUs: l.CPUs}); err != nil {
+		if cg, err = newCgroup(f.opts.Cgroup, id, boxkit.CgroupLimits{MemoryBytes: mem<<20 + 64<<20, Pids: 64, CPUs: l.CPUs}); err != nil {
 			return nil, err
 		}
-		v.defer_(cg.remove)
+		v.defer_(cg.Destroy)
 	}
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("starting firecracker: %w", err)
@@ -246,7 +270,7 @@ func (f *Firecracker) start(ctx context.Context, id string, l sandbox.Limits) (_
 		return nil
 	})
 	if cg != nil {
-		if err := cg.add(cmd.Process.Pid); err != nil {
+		if err := cg.Add(cmd.Process.Pid); err != nil {
 			return nil, err
 		}
 	}
@@ -268,45 +292,30 @@ func (f *Firecracker) start(ctx context.Context, id string, l sandbox.Limits) (_
 
 type fcTemplate struct {
 	dir   string
-	hello []byte
-	ready chan struct{}
-	err   error
+	hello agentproto.Hello
 }
 
-func (f *Firecracker) template(ctx context.Context, l sandbox.Limits, preload []string) (*fcTemplate, error) {
+// template returns the template for l and preload, loading it from
+// StateDir or booting and saving it once; the caller releases it.
+func (f *Firecracker) template(ctx context.Context, l sandbox.Limits, preload []string) (*boxkit.Template[*fcTemplate], error) {
 	mem, cpus := guestShape(l)
-	cmdline := kernelCmdline(l, preload, false, 0, "kiln.transport=vsock", "init="+guestinit.AgentPath)
+	cmdline := kernelCmdline(l, preload, false, 0, "vsock", "init="+guestinit.AgentPath)
 	b, _ := json.Marshal([]any{1, f.opts.Image.Key, f.opts.Kernel, mem, cpus, cmdline})
 	key := hashKey(b)
-	f.mu.Lock()
-	t, ok := f.templates[key]
-	if !ok {
-		t = &fcTemplate{dir: filepath.Join(f.opts.StateDir, "tpl-"+key), ready: make(chan struct{})}
-		f.templates[key] = t
-		go func() {
-			defer close(t.ready)
-			if h, err := os.ReadFile(filepath.Join(t.dir, "hello")); err == nil {
-				t.hello = h
-				return
-			}
-			ctx, cancel := context.WithTimeout(context.Background(), f.opts.BootTimeout)
-			defer cancel()
-			t.err = f.saveTemplate(ctx, t, l, mem, cpus, cmdline)
-		}()
+	tt, err := f.tpls.Get(ctx, key, func(ctx context.Context, _ bool) (*fcTemplate, time.Time, error) {
+		t := &fcTemplate{dir: filepath.Join(f.opts.StateDir, "tpl-"+key)}
+		if h, err := loadHello(filepath.Join(t.dir, "hello")); err == nil {
+			t.hello = h
+			return t, time.Time{}, nil
+		}
+		ctx, cancel := context.WithTimeout(ctx, f.opts.BootTimeout)
+		defer cancel()
+		return t, time.Time{}, f.saveTemplate(ctx, t, l, mem, cpus, cmdline)
+	})
+	if err != nil {
+		return nil, fmt.Errorf("making template: %w", err)
 	}
-	f.mu.Unlock()
-	select {
-	case <-t.ready:
-	case <-ctx.Done():
-		return nil, fmt.Errorf("waiting for template: %w", ctx.Err())
-	}
-	if t.err != nil {
-		f.mu.Lock()
-		delete(f.templates, key)
-		f.mu.Unlock()
-		return nil, fmt.Errorf("making template: %w", t.err)
-	}
-	return t, nil
+	return tt, nil
 }
 
 // saveTemplate boots a VM through the API, waits for the agent's hello over
@@ -327,7 +336,7 @@ func (f *Firecracker) saveTemplate(ctx context.Context, t *fcTemplate, l sandbox
 		return fmt.Errorf("booting vm: %w", err)
 	}
 	defer v.destroy()
-	var hello []byte
+	var hello agentproto.Hello
 	steps := []step{
 		{"machine config", func(ctx context.Context) error {
 			return v.api.machineConfig(ctx, fcMachineConfig{VcpuCount: cpus, MemSizeMiB: mem})
@@ -351,19 +360,8 @@ func (f *Firecracker) saveTemplate(ctx context.Context, t *fcTemplate, l sandbox
 			defer conn.Close()
 			stop := context.AfterFunc(ctx, func() { conn.Close() })
 			defer stop()
-			var raw json.RawMessage
-			if err := agentproto.ReadFrame(conn, &raw); err != nil {
-				return err
-			}
-			var h agentproto.Hello
-			if err := json.Unmarshal(raw, &h); err != nil {
-				return err
-			}
-			if h.Error != "" {
-				return fmt.Errorf("agent: %s", h.Error)
-			}
-			hello = append(binary.BigEndian.AppendUint32(nil, uint32(len(raw))), raw...)
-			return nil
+			hello, err = readHello(conn)
+			return err
 		}},
 		{"pause", func(ctx context.Context) error { return v.api.setState(ctx, "Paused") }},
 		{"snapshot", func(ctx context.Context) error {
@@ -374,7 +372,7 @@ func (f *Firecracker) saveTemplate(ctx context.Context, t *fcTemplate, l sandbox
 	if err := runSteps(ctx, f.log, steps); err != nil {
 		return err
 	}
-	if err := os.WriteFile(filepath.Join(tmp, "hello"), hello, 0o600); err != nil {
+	if err := writeHello(filepath.Join(tmp, "hello"), hello); err != nil {
 		return err
 	}
 	if err := os.Rename(tmp, t.dir); err != nil {

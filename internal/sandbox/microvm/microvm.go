@@ -10,6 +10,12 @@
 // small device state (x-ignore-shared), so clones share the template's
 // memory until they write to it.
 //
+// QEMU runs jailed (jail_linux.go): a host uid of its own in its own user
+// namespace, no capabilities, in a root that holds only what it needs.
+// Clones of one template share its memory layout and python's hash seed,
+// so a template serves a bounded number of clones for a bounded time
+// (rotate_linux.go).
+//
 // Hardware virtualization (-accel kvm) is the default. Software emulation
 // (TCG) is only for development and tests: it is slow, and it is not a
 // security boundary; it must be asked for with Options.Accel = "tcg".
@@ -35,11 +41,10 @@ const (
 
 // Sentinel errors of the package.
 var (
-	ErrNoImage   = errors.New("microvm: no guest image (run kiln image build)")
-	ErrNoKVM     = errors.New("microvm: hardware virtualization (/dev/kvm) is not usable; software emulation must be asked for explicitly (accel tcg), and is not a security boundary")
-	ErrBadAccel  = errors.New("microvm: accelerator must be kvm or tcg")
-	ErrNoQEMU    = errors.New("microvm: qemu-system-x86_64 not found (install the Debian package qemu-system-x86)")
-	errTplFailed = errors.New("microvm: template failed")
+	ErrNoImage  = errors.New("microvm: no guest image (run kiln image build)")
+	ErrNoKVM    = errors.New("microvm: hardware virtualization (/dev/kvm) is not usable; software emulation must be asked for explicitly (accel tcg), and is not a security boundary")
+	ErrBadAccel = errors.New("microvm: accelerator must be kvm or tcg")
+	ErrNoQEMU   = errors.New("microvm: qemu-system-x86_64 not found (install the Debian package qemu-system-x86)")
 )
 
 // Options configure the backend. Image is required; zero fields take
@@ -58,17 +63,26 @@ type Options struct {
 	// runs; default os.UserCacheDir()/kiln/microvm.
 	StateDir string
 	// RunDir holds per-VM files (console logs); default
-	// os.TempDir()/kiln-microvm-<pid>, removed by Close.
+	// os.TempDir()/kiln-microvm-<pid>.<start>, removed by Close.
 	RunDir string
 	// Cgroup names the cgroup under which each VM's QEMU gets its own;
 	// default "kiln-microvm". NoCgroup runs QEMU without one (non-root).
 	Cgroup   string
 	NoCgroup bool
-	// NoNamespaces runs QEMU in the host's namespaces instead of new net,
-	// ipc, uts, mount and pid namespaces (non-root).
+	// NoNamespaces runs QEMU unjailed, in the host's namespaces, as the
+	// calling user (non-root). Otherwise QEMU runs jailed: a host uid of
+	// its own in new user, mount, pid, net, ipc and uts namespaces, with
+	// no capabilities, in a root holding only what it needs.
 	NoNamespaces bool
 	// NoSeccomp leaves out QEMU's -sandbox filter.
 	NoSeccomp bool
+	// TemplateMaxClones and TemplateMaxAge bound how many clones one
+	// template serves and for how long before a fresh one, booted in the
+	// background, replaces it (clones of one template share its memory
+	// layout and python's hash seed; see rotate_linux.go). 0:
+	// DefaultTemplateMaxClones, DefaultTemplateMaxAge; negative: no bound.
+	TemplateMaxClones int
+	TemplateMaxAge    time.Duration
 	// BootTimeout bounds booting a template (or a cold box) to its hello;
 	// default 60s under KVM, 5m under TCG.
 	BootTimeout time.Duration
@@ -77,6 +91,12 @@ type Options struct {
 	Verbose bool
 	Logger  *slog.Logger
 }
+
+// Bounds of one template (Options.TemplateMaxClones, TemplateMaxAge).
+const (
+	DefaultTemplateMaxClones = 500
+	DefaultTemplateMaxAge    = 10 * time.Minute
+)
 
 // Name implements sandbox.Backend.
 func (b *Backend) Name() string { return "microvm" }
@@ -97,6 +117,8 @@ var (
 	_ sandbox.Backend   = (*Backend)(nil)
 	_ sandbox.Checker   = (*Backend)(nil)
 	_ sandbox.Describer = (*Backend)(nil)
+	_ sandbox.Warmer    = (*Backend)(nil)
+	_ sandbox.Noter     = (*Backend)(nil)
 )
 
 // moduleName is what a preloaded module name may look like: it goes on the

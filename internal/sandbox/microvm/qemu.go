@@ -16,7 +16,11 @@ const (
 	fdQMP   = 4 // our end of a socketpair: QMP
 	fdSeed  = 5 // our end of a socketpair: entropy for a restored clone
 	fdState = 6 // the migration stream read by a clone
+	fdMem   = 7 // the guest RAM memfd of a template and its clones
 )
+
+// memFDPath is where QEMU opens the guest RAM: the inherited memfd.
+var memFDPath = fmt.Sprintf("/proc/self/fd/%d", fdMem)
 
 // vmConfig is everything that shapes one QEMU command line. Template and
 // clones of it must agree on everything but MemShared and Incoming, or the
@@ -30,7 +34,7 @@ type vmConfig struct {
 	Initrd    string
 	Rootfs    string
 	Cmdline   string
-	MemFile   string // guest RAM file; "" for anonymous RAM (cold boot)
+	MemFile   string // guest RAM file (memFDPath); "" for anonymous RAM (cold boot)
 	MemShared bool   // share=on: a template writes its RAM to MemFile
 	Incoming  bool   // -incoming defer: a clone waits for its state
 	Console   string // file that receives the guest console
@@ -96,15 +100,16 @@ func escapeOpt(s string) string { return strings.ReplaceAll(s, ",", ",,") }
 // creates it).
 const guestUID = 1000
 
-// kernelCmdline is the guest kernel's command line: the box's limits as
-// kiln.* parameters for guestinit, and kiln-agent's flags after "--".
-// tscKHz, when not zero, is given to the guest as tsc_early_khz: under TCG
-// the guest's TSC runs at the host's rate, and calibrating it against the
-// emulated PIT fails on a busy host and hangs the boot.
-// extra are kernel parameters added before init's arguments.
-func kernelCmdline(l sandbox.Limits, preload []string, verbose bool, tscKHz int64, extra ...string) string {
+// kernelCmdline is the guest kernel's command line: the box's limits, and
+// the transport ("serial" or "vsock") of the agent's stream, as
+// guestinit.Params, which guestinit reads back, and kiln-agent's flags
+// after "--". tscKHz, when not zero, is given to the guest as
+// tsc_early_khz: under TCG the guest's TSC runs at the host's rate, and
+// calibrating it against the emulated PIT fails on a busy host and hangs
+// the boot. extra are kernel parameters added before init's arguments.
+func kernelCmdline(l sandbox.Limits, preload []string, verbose bool, tscKHz int64, transport string, extra ...string) string {
 	w := []string{
-		"console=ttyS0", "root=/dev/vda", "rootfstype=ext4", "ro", "panic=-1",
+		"console=ttyS0", "ro", "panic=-1",
 		"reboot=t", "tsc=reliable", "no_timer_check", "random.trust_cpu=on",
 	}
 	if tscKHz > 0 {
@@ -113,16 +118,12 @@ func kernelCmdline(l sandbox.Limits, preload []string, verbose bool, tscKHz int6
 	if !verbose {
 		w = append(w, "quiet", "loglevel=3")
 	}
-	w = append(w,
-		fmt.Sprintf("kiln.work_size=%d", l.WorkspaceBytes),
-		fmt.Sprintf("kiln.tmp_size=%d", l.TmpBytes),
-		fmt.Sprintf("kiln.inodes=%d", l.Inodes),
-		fmt.Sprintf("kiln.mem=%d", l.MemoryBytes),
-		fmt.Sprintf("kiln.pids=%d", l.Pids),
-		fmt.Sprintf("kiln.nofile=%d", l.OpenFiles),
-		fmt.Sprintf("kiln.uid=%d", guestUID),
-		fmt.Sprintf("kiln.gid=%d", guestUID),
-	)
+	p := guestinit.DefaultParams()
+	p.WorkspaceBytes, p.TmpBytes, p.Inodes = l.WorkspaceBytes, l.TmpBytes, int64(l.Inodes)
+	p.MemoryBytes, p.Pids, p.OpenFiles = l.MemoryBytes, l.Pids, l.OpenFiles
+	p.UID, p.GID = guestUID, guestUID
+	p.Transport = transport
+	w = append(w, p.Cmdline()...)
 	w = append(w, extra...)
 	w = append(w,
 		"--", "-guest",

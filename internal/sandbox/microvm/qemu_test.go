@@ -91,14 +91,19 @@ func TestArgs(t *testing.T) {
 
 func TestKernelCmdline(t *testing.T) {
 	l := sandbox.Limits{MemoryBytes: 60, WorkspaceBytes: 10, TmpBytes: 20, Inodes: 30, Pids: 40, OpenFiles: 50}
-	c := kernelCmdline(l, []string{"numpy", "pandas"}, false, 2600002)
+	c := kernelCmdline(l, []string{"numpy", "pandas"}, false, 2600002, "serial")
 	kernel, initArgs, ok := strings.Cut(c, " -- ")
 	if !ok {
 		t.Fatalf("no init arguments in %q", c)
 	}
-	p := guestinit.ParseCmdline(c)
-	if p.WorkspaceBytes != 10 || p.TmpBytes != 20 || p.Inodes != 30 || p.Pids != 40 || p.OpenFiles != 50 || p.MemoryBytes != 60 || p.UID != guestUID {
-		t.Errorf("guest reads %+v from %q", p, c)
+	want := guestinit.DefaultParams()
+	want.WorkspaceBytes, want.TmpBytes, want.Inodes, want.Pids, want.OpenFiles, want.MemoryBytes = 10, 20, 30, 40, 50, 60
+	want.UID, want.GID, want.Transport = guestUID, guestUID, "serial"
+	if p := guestinit.ParseCmdline(c); p != want {
+		t.Errorf("guest reads %+v from %q, want %+v", p, c, want)
+	}
+	if p := guestinit.ParseCmdline(kernelCmdline(l, nil, false, 0, "vsock")); p.Transport != "vsock" {
+		t.Errorf("guest reads transport %q, want vsock", p.Transport)
 	}
 	for _, w := range []string{"ro", "quiet", "tsc_early_khz=2600002"} {
 		if !slices.Contains(strings.Fields(kernel), w) {

@@ -238,4 +238,5 @@ print("\n".join(out))`, port)
 			t.Errorf("want one PNG display, got %d: %+v", len(r.Displays), r.Error)
 		}
 	}},
+	{"two boxes draw different random numbers", twoBoxesDrawDifferently},
 }

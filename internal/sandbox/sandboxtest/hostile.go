@@ -167,7 +167,7 @@ traced = libc.ptrace(16, %d, 0, 0) == 0 or libc.ptrace(16, 1, 0, 0) == 0
 		for _, p := range targets {
 			fmt.Fprintf(&cmd, "echo x > %s 2>/dev/null && echo WROTE %s; ", p, p)
 		}
-		cmd.WriteString("echo x >> /.kiln/agent 2>/dev/null && echo WROTE agent; touch /usr/bin/python3 2>/dev/null && echo WROTE python; chmod 777 /etc 2>/dev/null && echo WROTE chmod; true")
+		cmd.WriteString("echo x >> /.kiln/kiln-agent 2>/dev/null && echo WROTE agent; touch /usr/bin/python3 2>/dev/null && echo WROTE python; chmod 777 /etc 2>/dev/null && echo WROTE chmod; true")
 		box := s.box(t)
 		r := sh(t, s, box, cmd.String())
 		if strings.Contains(r.out, "WROTE") {
@@ -563,7 +563,7 @@ mkfifo fifo; ln -s .. d/up; ln -s /work/../etc dotdot; echo secret > /tmp/outsid
 	{"file tools: hard links planted in the workspace", "hard links to files outside the workspace cannot be made, and writes through links stay inside", func(t *testing.T, s *suite) {
 		box := s.box(t)
 		ctx := s.ctx(t, 30*time.Second)
-		r := sh(t, s, box, "cd /work; echo inside > a; ln a hl; ln /etc/passwd passwd 2>&1 && echo LINKED; ln /tmp/x tmpx 2>&1; ln /.kiln/agent agent 2>&1 && echo LINKED; echo outside > /tmp/x; ln /tmp/x tmpx 2>&1 && echo LINKED; true")
+		r := sh(t, s, box, "cd /work; echo inside > a; ln a hl; ln /etc/passwd passwd 2>&1 && echo LINKED; ln /tmp/x tmpx 2>&1; ln /.kiln/kiln-agent agent 2>&1 && echo LINKED; echo outside > /tmp/x; ln /tmp/x tmpx 2>&1 && echo LINKED; true")
 		if strings.Contains(r.out, "LINKED") {
 			t.Errorf("a hard link across the workspace boundary:\n%s", r.out)
 		}

@@ -35,6 +35,11 @@ type Options struct {
 	// box that died. So may an inode fill, when the backend's tmpfs has no
 	// inode cap and its files count against the memory limit (gVisor).
 	MemoryBombKillsBox bool
+	// OwnKernel is true when the box's code runs on a kernel of its own
+	// (microvm), not under kiln's syscall policy (internal/sandbox/policy.go):
+	// the hostile syscall case then only requires that the box cannot
+	// create namespaces, and logs what the guest kernel answers otherwise.
+	OwnKernel bool
 }
 
 var (
@@ -124,11 +129,18 @@ func (s *suite) ctx(t *testing.T, d time.Duration) context.Context {
 
 func (s *suite) box(t *testing.T) sandbox.Sandbox {
 	t.Helper()
+	return s.boxPreloading(t, nil)
+}
+
+// boxPreloading is box with modules the kernel imports before the box is
+// handed out (in a backend's template, if it has one).
+func (s *suite) boxPreloading(t *testing.T, preload []string) sandbox.Sandbox {
+	t.Helper()
 	s.mu.Lock()
 	s.n++
 	id := fmt.Sprintf("conf%d-%d", os.Getpid(), s.n)
 	s.mu.Unlock()
-	box, err := s.b.Create(s.ctx(t, 60*time.Second), sandbox.Spec{ID: id, Limits: s.opts.Limits})
+	box, err := s.b.Create(s.ctx(t, 60*time.Second), sandbox.Spec{ID: id, Limits: s.opts.Limits, Preload: preload})
 	if err != nil {
 		t.Fatalf("creating box: %v", err)
 	}

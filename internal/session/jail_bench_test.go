@@ -31,31 +31,6 @@ func jailBackend(t testing.TB, zygote bool) *jail.Backend {
 	return b
 }
 
-func TestPerCallIsolation(t *testing.T) {
-	sandboxtest.RunPerCall(t, jailBackend(t, false), sandboxtest.Options{HostProcesses: true})
-}
-
-func TestPerCallIsolationZygote(t *testing.T) {
-	sandboxtest.RunPerCall(t, jailBackend(t, true), sandboxtest.Options{HostProcesses: true})
-}
-
-// TestSessionFirstBoxFromPool checks that a new session's box is one the
-// pool made ahead of time: it already holds the preloaded modules.
-func TestSessionFirstBoxFromPool(t *testing.T) {
-	mgr := session.NewManager(session.Options{Backend: jailBackend(t, false), PoolSize: 1, Preload: []string{"json"}})
-	defer mgr.Close()
-	s, err := mgr.Get("local", "first")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	out, err := s.RunPython(ctx, "import sys; 'json' in sys.modules", time.Minute)
-	if err != nil || out.Result["text/plain"] != "True" || !out.Fresh {
-		t.Fatalf("first call: %v %+v", err, out)
-	}
-}
-
 func benchManager(b *testing.B, mode session.Mode, zygote bool) *session.Manager {
 	mgr := session.NewManager(session.Options{
 		Backend:     jailBackend(b, zygote),

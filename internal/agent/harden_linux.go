@@ -1,0 +1,64 @@
+package agent
+
+import (
+	"fmt"
+	"math"
+	"os"
+	"strconv"
+	"syscall"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Harden protects the agent from the code it runs, which may share its box:
+// the agent becomes non-dumpable (code of another uid can neither ptrace it
+// nor open its /proc files; no core dump holds its memory), and every
+// descriptor it inherited becomes close-on-exec, so nothing it starts gets
+// one of its channels. Descriptors it opens itself are close-on-exec
+// already (Go opens them so).
+//
+// With forCode, the agent is about to start code as another uid: it
+// empties its inheritable capability set (through which a root exec gave
+// it its capabilities), so that code inherits none.
+func Harden(forCode bool) error {
+	if err := unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0); err != nil {
+		return fmt.Errorf("setting non-dumpable: %w", err)
+	}
+	if forCode {
+		if err := emptyInheritable(); err != nil {
+			return err
+		}
+	}
+	if unix.CloseRange(0, math.MaxUint32, unix.CLOSE_RANGE_CLOEXEC) == nil {
+		return nil
+	}
+	entries, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		return fmt.Errorf("listing descriptors: %w", err)
+	}
+	for _, e := range entries {
+		if fd, err := strconv.Atoi(e.Name()); err == nil {
+			unix.CloseOnExec(fd)
+		}
+	}
+	return nil
+}
+
+// emptyInheritable clears the inheritable set of every thread: capability
+// sets are per thread, so the change goes through AllThreadsSyscall.
+func emptyInheritable() error {
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	var data [2]unix.CapUserData
+	if err := unix.Capget(&hdr, &data[0]); err != nil {
+		return fmt.Errorf("capget: %w", err)
+	}
+	if data[0].Inheritable == 0 && data[1].Inheritable == 0 {
+		return nil
+	}
+	data[0].Inheritable, data[1].Inheritable = 0, 0
+	if _, _, e := syscall.AllThreadsSyscall(unix.SYS_CAPSET, uintptr(unsafe.Pointer(&hdr)), uintptr(unsafe.Pointer(&data[0])), 0); e != 0 {
+		return fmt.Errorf("capset: %w", e)
+	}
+	return nil
+}

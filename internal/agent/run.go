@@ -1,0 +1,89 @@
+package agent
+
+import (
+	"fmt"
+	"io"
+	"os"
+
+	"kiln/internal/guestinit"
+)
+
+// Mode is how kiln-agent was started: the agent's Config and the role
+// the box gave it.
+type Mode struct {
+	Config
+	// Guest prepares a microVM guest (mounts, serial port) as PID 1.
+	Guest bool
+	// Zygote becomes a jail zygote's python template (control socket on
+	// fd 3).
+	Zygote bool
+	// AdoptKernel, if positive, is the pid of the kernel a jail zygote
+	// forked for this box, whose pipes are on fds 3-9.
+	AdoptKernel int
+}
+
+// Run is kiln-agent after its flags are parsed: it takes the role m and
+// the process's place in the box (PID 1 or the agent PID 1 started) give
+// it, and returns the process's exit code. Config.Logger must be set.
+func Run(m Mode) int {
+	log := m.Logger
+	if m.Zygote {
+		err := ExecZygote(Config{Workspace: m.Workspace, Python: m.Python, Preload: m.Preload, UID: -1, GID: -1})
+		fmt.Fprintln(os.Stderr, "kiln-agent:", err)
+		return 1
+	}
+	// Code the agent runs may never reach it: no core dumps, no ptrace or
+	// /proc access by its uid, no descriptor inherited by what it starts.
+	// PID 1 only reaps and starts the serving agent, which needs the
+	// bounding set PID 1 keeps.
+	if err := Harden(os.Getpid() != 1 && m.UID >= 0); err != nil {
+		log.Error("hardening the agent", "err", err)
+		return 1
+	}
+	var adopted []*os.File
+	if m.AdoptKernel > 0 {
+		adopted = AdoptedFiles()
+	}
+
+	streamPath := ""
+	if m.Guest && os.Getenv(reapChildEnv) == "" {
+		p, err := guestinit.Setup(guestinit.Config{Workspace: m.Workspace})
+		if err != nil {
+			log.Error("preparing guest", "err", err)
+			return 1
+		}
+		streamPath = p
+	}
+	if os.Getpid() == 1 {
+		// PID 1 only reaps; a child does the work, so exec.Cmd.Wait never
+		// races the reaper for its own children's statuses.
+		code := reap(streamPath, adopted)
+		if m.Guest {
+			guestinit.PowerOff()
+		}
+		return code
+	}
+
+	var r io.Reader = os.Stdin
+	var w io.Writer = os.Stdout
+	if p := os.Getenv(reapStreamEnv); p != "" {
+		f, err := os.OpenFile(p, os.O_RDWR, 0)
+		if err != nil {
+			log.Error("opening stream", "path", p, "err", err)
+			return 1
+		}
+		r, w = f, f
+	}
+	cfg := m.Config
+	if m.AdoptKernel > 0 {
+		cfg.Adopt = NewAdopted(m.AdoptKernel, adopted)
+	}
+	if m.Guest {
+		cfg.Cgroup = guestinit.CodeCgroup // the guest's memory and pids limits for code
+	}
+	if err := New(cfg).Serve(r, w); err != nil {
+		fmt.Fprintln(os.Stderr, "kiln-agent:", err)
+		return 1
+	}
+	return 0
+}

@@ -1,0 +1,236 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"strconv"
+	"strings"
+
+	"kiln/internal/image"
+	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/gvisor"
+	"kiln/internal/sandbox/jail"
+	"kiln/internal/sandbox/microvm"
+)
+
+// registry lists the backends kiln can serve with, in the order kiln doctor
+// checks them; doctor, bench and the serving commands iterate it.
+//
+// Adding a backend is a driver package and one entry here. The package
+// writes: a Backend type with Name, Create and Close (sandbox.Backend) and
+// the optional interfaces it can honour, each asserted at compile time
+// (sandbox.Checker is expected: Check starts a box and runs sandbox.Probe in
+// it; sandbox.Warmer if it builds templates; sandbox.Describer,
+// sandbox.Noter; its boxes sandbox.OOMReporter, sandbox.RefusalReporter);
+// Options and New; a Config in config.go whose RegisterFlags defines the
+// flags only it reads (help text "<name>: …") and that turns them into
+// Options; a _linux.go/_other.go split so other platforms build; and, if it
+// re-executes kiln as a helper process, a MaybeInit. The entry names it,
+// registers its Config's flags and builds it from them and backendEnv
+// (refusing an egress policy it cannot enforce), and sets maybeInit and
+// benchFlags where it has them.
+var registry = []backendEntry{
+	{
+		name:      "jail",
+		maybeInit: jail.MaybeInit,
+		flags: func(fs *flag.FlagSet) backendFactory {
+			var c jail.Config
+			c.RegisterFlags(fs)
+			return func(ctx context.Context, env backendEnv) (sandbox.Backend, error) {
+				return jail.New(c.Apply(jail.Options{Agent: env.agent, Logger: env.log, Egress: env.net.gateway, Policy: env.net.policy, AllBoxes: env.allBoxes}))
+			}
+		},
+		benchFlags: func(fs *flag.FlagSet) func() ([]string, error) {
+			zygote := fs.String("zygote", "", "jail: 1 to fork boxes from a zygote, 0 not to (default: the server's own default)")
+			return func() ([]string, error) {
+				if *zygote == "" {
+					return nil, nil
+				}
+				on, err := strconv.ParseBool(*zygote)
+				if err != nil {
+					return nil, fmt.Errorf("--zygote: %q is not 1 or 0", *zygote)
+				}
+				return []string{"--zygote=" + strconv.FormatBool(on)}, nil
+			}
+		},
+	},
+	{
+		name: "gvisor",
+		flags: func(fs *flag.FlagSet) backendFactory {
+			var c gvisor.Config
+			c.RegisterFlags(fs)
+			return func(ctx context.Context, env backendEnv) (sandbox.Backend, error) {
+				if !env.net.policy.Empty() {
+					return nil, errors.New("--allow-net is not supported on the gvisor backend yet")
+				}
+				agent := env.agent
+				if agent == "" {
+					p, err := jail.FindAgent()
+					if err != nil {
+						return nil, fmt.Errorf("finding kiln-agent: %w", err)
+					}
+					agent = p
+				}
+				runsc := c.Runsc
+				switch {
+				case runsc != "":
+				case env.doctor:
+					// Doctor does not build runsc (a minute or more); it checks the cached one.
+					p, err := cachedRunsc()
+					if err != nil {
+						return nil, err
+					}
+					runsc = p
+				default:
+					p, err := gvisor.EnsureRunsc(ctx, env.log)
+					if err != nil {
+						return nil, err
+					}
+					runsc = p
+				}
+				return gvisor.New(gvisor.Options{Agent: agent, Runsc: runsc, Logger: env.log})
+			}
+		},
+	},
+	{
+		name:      "microvm",
+		maybeInit: microvm.MaybeInit,
+		flags: func(fs *flag.FlagSet) backendFactory {
+			var c microvm.Config
+			c.RegisterFlags(fs)
+			return func(ctx context.Context, env backendEnv) (sandbox.Backend, error) {
+				if !env.net.policy.Empty() {
+					return nil, errors.New("--allow-net is not supported on the microvm backend yet")
+				}
+				im, err := image.Latest("")
+				if err != nil {
+					return nil, fmt.Errorf("%w (build one with: kiln image build)", err)
+				}
+				return microvm.New(c.Apply(microvm.Options{Image: im, Logger: env.log})) // it logs the TCG warning
+			}
+		},
+	},
+}
+
+// backendEntry is one backend kiln can serve with.
+type backendEntry struct {
+	name string
+	// maybeInit, if set, runs the backend's helper process (a box's init,
+	// a jailed VMM) and never returns when kiln was re-executed as one;
+	// it returns at once otherwise.
+	maybeInit func()
+	// flags defines the backend's own flags on fs (every serving command
+	// and doctor shows them) and returns what builds the backend from
+	// their values once fs is parsed.
+	flags func(fs *flag.FlagSet) backendFactory
+	// benchFlags, if set, defines kiln bench flags that only this backend
+	// reads; the function it returns gives the `kiln mcp` arguments they
+	// stand for, once fs is parsed.
+	benchFlags func(fs *flag.FlagSet) func() ([]string, error)
+}
+
+// MaybeInit runs a backend's helper process and never returns when kiln was
+// re-executed as one (a jail box's init, a jailed QEMU's init); otherwise it
+// returns at once. A binary that serves kiln calls it first thing.
+func MaybeInit() {
+	for _, e := range registry {
+		if e.maybeInit != nil {
+			e.maybeInit()
+		}
+	}
+}
+
+// backendFactory builds a backend from its parsed flags and what every
+// backend is given.
+type backendFactory func(ctx context.Context, env backendEnv) (sandbox.Backend, error)
+
+// backendEnv is what a server gives every backend it builds.
+type backendEnv struct {
+	agent    string         // --agent; "": next to kiln, then $PATH
+	net      *network       // never nil
+	allBoxes sandbox.Limits // all boxes together; zero fields: no such limit
+	log      *slog.Logger
+	// doctor builds the backend only to check it: nothing slow is built
+	// (runsc), only what is cached is used.
+	doctor bool
+}
+
+// backends are the factories of every registered backend, keyed by name,
+// made by registerBackends.
+type backends map[string]backendFactory
+
+// registerBackends defines every registered backend's flags on fs.
+func registerBackends(fs *flag.FlagSet) backends {
+	bs := backends{}
+	for _, e := range registry {
+		bs[e.name] = e.flags(fs)
+	}
+	return bs
+}
+
+// newBackend builds the named backend.
+func (bs backends) newBackend(ctx context.Context, name string, env backendEnv) (sandbox.Backend, error) {
+	f, ok := bs[name]
+	if !ok {
+		return nil, fmt.Errorf("unknown backend %q (%s)", name, backendNames())
+	}
+	if env.net == nil {
+		env.net = &network{}
+	}
+	if env.log == nil {
+		env.log = discard()
+	}
+	return f(ctx, env)
+}
+
+// backendNames lists the registered backends for people: "a, b or c".
+func backendNames() string {
+	names := make([]string, len(registry))
+	for i, e := range registry {
+		names[i] = e.name
+	}
+	if len(names) < 2 {
+		return strings.Join(names, "")
+	}
+	return strings.Join(names[:len(names)-1], ", ") + " or " + names[len(names)-1]
+}
+
+// checkBackend builds the named backend and checks that a box of it runs
+// code (sandbox.Checker). Notes the backend has about this host go to
+// notes.
+func (bs backends) checkBackend(ctx context.Context, name string, env backendEnv, notes func(string)) error {
+	env.doctor = true
+	b, err := bs.newBackend(ctx, name, env)
+	if err != nil {
+		return err
+	}
+	defer b.Close()
+	chk, ok := b.(sandbox.Checker)
+	if !ok {
+		return errors.New("it cannot be checked (it implements no sandbox.Checker)")
+	}
+	if err := chk.Check(ctx); err != nil {
+		return err
+	}
+	if n, ok := b.(sandbox.Noter); ok {
+		for _, note := range n.Notes() {
+			notes(note)
+		}
+	}
+	return nil
+}
+
+func cachedRunsc() (string, error) {
+	p, err := gvisor.CachedRunscPath()
+	if err != nil {
+		return "", err
+	}
+	if _, err := os.Stat(p); err != nil {
+		return "", fmt.Errorf("runsc is not built yet (make runsc, or start kiln with --backend gvisor once): %w", err)
+	}
+	return p, nil
+}

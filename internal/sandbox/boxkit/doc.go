@@ -1,0 +1,5 @@
+// Package boxkit is the host-side toolkit every sandbox backend builds on,
+// so that lifecycle machinery is written once: a cleanup stack, the
+// mountinfo parser, the owner stamp and orphan sweeper, cgroups and
+// template caches.
+package boxkit

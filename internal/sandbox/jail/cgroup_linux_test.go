@@ -1,0 +1,115 @@
+package jail_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/jail"
+	"kiln/internal/sandbox/sandboxtest"
+)
+
+// TestAllBoxesLimit: the server's cgroup bounds its boxes together, below
+// what each box may use alone: forks past its pids limit are refused and
+// memory past its limit is not granted, though each box's own limits are
+// higher.
+func TestAllBoxesLimit(t *testing.T) {
+	if os.Getuid() != 0 {
+		t.Skip("the jail tests need root (user namespaces with a uid range, cgroups)")
+	}
+	const memLimit, pidsLimit = 192 << 20, 48
+	b, err := jail.New(jail.Options{Agent: sandboxtest.BuildAgent(t), AllBoxes: sandbox.Limits{MemoryBytes: memLimit, Pids: pidsLimit}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	t.Cleanup(func() {
+		// The group is the process's: lift its limits for the tests after.
+		if b, err := jail.New(jail.Options{Agent: sandboxtest.BuildAgent(t)}); err == nil {
+			b.Close()
+		}
+	})
+	if _, err := os.Stat("/sys/fs/cgroup/memory"); err != nil {
+		if _, err := os.Stat("/sys/fs/cgroup/cgroup.controllers"); err != nil {
+			t.Skip("no cgroup filesystem")
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	box, err := b.Create(ctx, sandbox.Spec{ID: "allboxes", Limits: sandbox.Limits{MemoryBytes: 1 << 30, Pids: 256}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer box.Close()
+
+	// The box's group sits in the server's, which has the limits.
+	server := []string{
+		fmt.Sprintf("/sys/fs/cgroup/memory/kiln/%d/memory.limit_in_bytes", os.Getpid()),
+		fmt.Sprintf("/sys/fs/cgroup/pids/kiln/%d/pids.max", os.Getpid()),
+		fmt.Sprintf("/sys/fs/cgroup/pids/kiln/%d/allboxes", os.Getpid()),
+	}
+	if _, err := os.Stat("/sys/fs/cgroup/cgroup.controllers"); err == nil {
+		server = []string{
+			fmt.Sprintf("/sys/fs/cgroup/kiln/%d/memory.max", os.Getpid()),
+			fmt.Sprintf("/sys/fs/cgroup/kiln/%d/pids.max", os.Getpid()),
+			fmt.Sprintf("/sys/fs/cgroup/kiln/%d/allboxes", os.Getpid()),
+		}
+	}
+	for i, want := range []string{fmt.Sprint(memLimit), fmt.Sprint(pidsLimit)} {
+		got, err := os.ReadFile(server[i])
+		if err != nil || strings.TrimSpace(string(got)) != want {
+			t.Errorf("%s = %q (%v), want %s", filepath.Base(server[i]), got, err, want)
+		}
+	}
+	if _, err := os.Stat(server[2]); err != nil {
+		t.Errorf("the box's group is not in the server's: %v", err)
+	}
+
+	res, err := box.RunPython(ctx, `
+import os, time
+n, refused = 0, None
+try:
+    for _ in range(100):
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(60)
+            os._exit(0)
+        n += 1
+except OSError as e:
+    refused = e.errno
+print("forked", n, "refused", refused)
+`, sandbox.ExecOptions{})
+	switch {
+	case errors.Is(err, sandbox.ErrDied):
+		// The limit bound the agent's own threads first: the box died of
+		// it, which is the limit holding too.
+		t.Logf("the box died at the server's pids limit")
+	case err != nil:
+		t.Fatal(err)
+	default:
+		var forked int
+		var refused string
+		fmt.Sscanf(res.Stdout.Text, "forked %d refused %s", &forked, &refused)
+		if forked >= pidsLimit || refused == "None" || refused == "" {
+			t.Errorf("forks past the server's pids limit of %d: %q %+v", pidsLimit, res.Stdout.Text, res.Error)
+		}
+	}
+	box.Close()
+
+	box, err = b.Create(ctx, sandbox.Spec{ID: "allboxes-mem", Limits: sandbox.Limits{MemoryBytes: 1 << 30}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer box.Close()
+	res, err = box.RunPython(ctx, "x = b'x' * (400 << 20)\nprint('allocated', len(x))", sandbox.ExecOptions{})
+	if err == nil && strings.Contains(res.Stdout.Text, "allocated") {
+		t.Errorf("a box got 400 MiB past the server's memory limit of %d MiB: %q", memLimit>>20, res.Stdout.Text)
+	}
+	t.Logf("the allocation past the limit: err %v, result %+v", err, res)
+}
