@@ -20,6 +20,7 @@ import (
 
 	"kiln/internal/agentproto"
 	"kiln/internal/egress"
+	"kiln/internal/event"
 	"kiln/internal/mcpserver"
 	"kiln/internal/sandbox"
 	"kiln/internal/session"
@@ -105,6 +106,7 @@ type common struct {
 	egressHosts string
 	verbose     bool
 	backends    backends // every registered backend, with its own flags
+	obs         obsFlags // audit log and metrics (kiln mcp and serve only)
 }
 
 func (c *common) register(fs *flag.FlagSet) {
@@ -162,7 +164,7 @@ type network struct {
 	gateway *egress.Gateway // nil when the policy is empty
 }
 
-func (c *common) network(log *slog.Logger) (*network, error) {
+func (c *common) network(log *slog.Logger, obs event.Observer) (*network, error) {
 	p, err := egress.ParsePolicy(splitList(c.allowNet)...)
 	if err != nil {
 		return nil, fmt.Errorf("--allow-net: %w", err)
@@ -171,7 +173,7 @@ func (c *common) network(log *slog.Logger) (*network, error) {
 	if p.Empty() {
 		return n, nil
 	}
-	if n.gateway, err = egress.NewGateway(egress.Options{Logger: log, HostsFile: c.egressHosts}); err != nil {
+	if n.gateway, err = egress.NewGateway(egress.Options{Logger: log, HostsFile: c.egressHosts, Observer: obs}); err != nil {
 		return nil, fmt.Errorf("starting the egress gateway: %w", err)
 	}
 	return n, nil
@@ -183,6 +185,7 @@ type stack struct {
 	backend sandbox.Backend
 	mgr     *session.Manager
 	srv     *mcpserver.Server
+	obs     *observers
 }
 
 func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
@@ -190,8 +193,13 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 	if mode != session.ModeSession && mode != session.ModePerCall {
 		return nil, fmt.Errorf("--mode must be session or per-call, not %q", c.mode)
 	}
-	net, err := c.network(log)
+	obs, err := c.obs.open(c.backend, log)
 	if err != nil {
+		return nil, err
+	}
+	net, err := c.network(log, obs.observer())
+	if err != nil {
+		obs.close()
 		return nil, err
 	}
 	maxBoxes, all := c.bounds.resolve(c.limits())
@@ -200,6 +208,7 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		if net.gateway != nil {
 			net.gateway.Close()
 		}
+		obs.close()
 		return nil, fmt.Errorf("starting %s backend: %w", c.backend, err)
 	}
 	mgr := session.NewManager(c.bounds.apply(maxBoxes, session.Options{
@@ -214,14 +223,19 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		PoolSize:       c.poolSize,
 		PoolWorkers:    c.poolWorkers,
 		Logger:         log,
+		Observer:       obs.observer(),
 	}))
 	if w, ok := b.(sandbox.Warmer); ok {
 		spec := sandbox.Spec{Limits: mgr.Options().Limits, Preload: splitList(c.preload)}
 		go func() {
 			if err := w.Warm(ctx, spec); err != nil {
 				log.Warn("preparing the template ahead of demand", "err", err)
+				return
 			}
+			obs.warm.Store(true)
 		}()
+	} else {
+		obs.warm.Store(true)
 	}
 	var rt sandbox.Runtime
 	if d, ok := b.(sandbox.Describer); ok {
@@ -233,7 +247,12 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		log.Info("egress allowed", "hosts", net.policy.String())
 	}
 	srv := mcpserver.New(mcpserver.Options{Manager: mgr, Runtime: rt, Backend: b.Name(), Network: netDesc, Logger: log})
-	return &stack{net: net, backend: b, mgr: mgr, srv: srv}, nil
+	st := &stack{net: net, backend: b, mgr: mgr, srv: srv, obs: obs}
+	if err := obs.serve(c.obs.metricsAddr, mgr); err != nil {
+		st.close()
+		return nil, err
+	}
+	return st, nil
 }
 
 func (s *stack) close() {
@@ -242,6 +261,7 @@ func (s *stack) close() {
 	if s.net.gateway != nil {
 		s.net.gateway.Close()
 	}
+	s.obs.close()
 }
 
 func signalContext() (context.Context, context.CancelFunc) {
@@ -253,6 +273,7 @@ func runMCP(args []string, stdout, stderr io.Writer) error {
 	fs.SetOutput(stderr)
 	var c common
 	c.register(fs)
+	c.obs.register(fs)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -278,6 +299,7 @@ func runServe(args []string, stderr io.Writer) error {
 	fs.SetOutput(stderr)
 	var c common
 	c.register(fs)
+	c.obs.register(fs)
 	addr := fs.String("addr", "127.0.0.1:8080", "address to listen on")
 	tokenFile := fs.String("token-file", "", "file of bearer tokens, one per line (\"principal:token\" or \"token\"), readable by its owner only; KILN_TOKEN adds one")
 	httpFlags := registerHTTPLimits(fs)
