@@ -32,7 +32,8 @@ Usage:
   kiln serve [--addr A] [flags]    MCP over streamable HTTP at /mcp (bearer token)
   kiln run -c CODE | -f FILE       run once and print the result (--shell for bash)
   kiln install claude-desktop|claude-code|cursor|vscode [--write]
-  kiln config print [serve|mcp] [flags]   the effective configuration, as TOML
+  kiln config print [serve|mcp|run|doctor] [flags]
+                                   the effective configuration file (TOML), and where each value came from
   kiln image build [--force]       build the microVM guest image (Debian packages, cached)
   kiln doctor                      which backends work here, and why not
   kiln version
