@@ -39,7 +39,11 @@ func parseFlags(fs *flag.FlagSet, args []string) error {
 	if err != nil {
 		return err
 	}
-	vals, err := config.Resolve(fs, path, data, fileLayout(), os.LookupEnv)
+	layout, err := fileLayout()
+	if err != nil {
+		return err
+	}
+	vals, err := config.Resolve(fs, path, data, layout, os.LookupEnv)
 	if err != nil {
 		return err
 	}
@@ -72,8 +76,12 @@ func readConfigFile(fs *flag.FlagSet, flagPath string, getenv func(string) (stri
 // fileLayout is what the configuration file may hold: every flag of kiln
 // serve (which defines every serving flag), each backend's own flags in
 // its [backends.<name>] table.
-func fileLayout() config.Layout {
-	l := config.Layout{Known: serveFlags(), Env: flagEnv, NotInFile: []string{"config"}}
+func fileLayout() (config.Layout, error) {
+	known, err := serveFlags()
+	if err != nil {
+		return config.Layout{}, err
+	}
+	l := config.Layout{Known: known, Env: flagEnv, NotInFile: []string{"config"}}
 	for _, e := range registry {
 		fs := flag.NewFlagSet(e.name, flag.ContinueOnError)
 		e.flags(fs)
@@ -81,17 +89,17 @@ func fileLayout() config.Layout {
 		fs.VisitAll(func(f *flag.Flag) { s.Flags = append(s.Flags, f.Name) })
 		l.Sections = append(l.Sections, s)
 	}
-	return l
+	return l, nil
 }
 
 // serveFlags returns a fresh flag set with kiln serve's flags, at their
 // defaults.
-func serveFlags() *flag.FlagSet {
+func serveFlags() (*flag.FlagSet, error) {
 	c := &flagCapture{flagsOnly: true, w: io.Discard}
 	if err := runServe(nil, c); !errors.Is(err, errCaptured) || c.fs == nil {
-		panic(fmt.Sprintf("kiln serve did not call parseFlags first: %v", err))
+		return nil, fmt.Errorf("learning kiln serve's flags: it did not stop in parseFlags (%v)", err)
 	}
-	return c.fs
+	return c.fs, nil
 }
 
 // errCaptured stops a command once parseFlags has captured its flags.
@@ -192,5 +200,9 @@ func printConfig(w io.Writer, cmd string, fs *flag.FlagSet, vals *config.Values)
 			head += "\n  " + e
 		}
 	}
-	return config.Print(w, fs, vals, fileLayout(), head)
+	layout, err := fileLayout()
+	if err != nil {
+		return err
+	}
+	return config.Print(w, fs, vals, layout, head)
 }

@@ -85,15 +85,15 @@ func clientNames() string {
 	return strings.Join(names, "|")
 }
 
-const installHelp = `Usage:
+const installHelp = `Usage of kiln install:
   kiln install CLIENT [--write] [--scope user|project] [--backend B] [--config FILE]
 
 CLIENT is %s.
 kiln install prints the entry that starts kiln (absolute paths) and the
-file it belongs in; --write merges it into
-that file instead: other servers and keys stay as they are, the old file
-is kept as FILE.bak-<time>, and a file that is not valid JSON (comments
-included) is left alone. Scopes: claude-desktop user; claude-code project
+file it belongs in; --write merges it into that file instead: other
+servers and keys stay as they are, the old file is kept as
+FILE.bak-<time>, and a file that is not valid JSON (comments included) is
+left alone. Scopes: claude-desktop user; claude-code project
 (.mcp.json here); cursor user (~/.cursor/mcp.json, default) or project
 (.cursor/mcp.json here); vscode project (.vscode/mcp.json here, default) or
 user (mcp.json in the user profile).
