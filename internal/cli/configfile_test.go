@@ -127,7 +127,7 @@ func TestConfigReachesCommands(t *testing.T) {
 	if err := runMCP([]string{"--config", p}, &out, &errOut); err == nil || !strings.Contains(err.Error(), `--mode must be session or per-call, not "sometimes"`) {
 		t.Errorf("kiln mcp: err = %v, want the file's mode refused", err)
 	}
-	if got := configPrint(t, "mcp", "--config", p); !strings.Contains(got, `mode = "sometimes" # file`) || strings.Contains(got, "addr =") {
+	if got := configPrint(t, "mcp", "--config", p); !strings.Contains(got, "\nmode = \"sometimes\" # file\n") || regexp.MustCompile(`(?m)^(# )?addr = `).MatchString(got) {
 		t.Errorf("kiln config print mcp:\n%s", got)
 	}
 	bad := writeConfig(t, "memroy = 1\n")
