@@ -281,3 +281,33 @@ func TestFind(t *testing.T) {
 		t.Errorf("Find = %q", got)
 	}
 }
+
+// FuzzResolve: no file makes Resolve panic, and a file it accepts sets
+// only flags of the layout.
+func FuzzResolve(f *testing.F) {
+	for _, s := range []string{
+		"memory = 1\n[backends.jail]\nzygote = false\n",
+		"[[backends]]\nx = 1\n",
+		"backends = [{jail = 1}]\n",
+		"[backends.jail.zygote]\nx = 1\n",
+		"mode = 1979-05-27T07:32:00Z\n",
+		"timeout = \"\"\nv = true\ncpus = inf\n",
+		"a.b.c = 1\n",
+		"memory = 9223372036854775807\ncpus = -0.0\n",
+	} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, file string) {
+		fs, _ := newTestFlags(false)
+		fs.Parse(nil)
+		vals, err := Resolve(fs, "f.toml", []byte(file), testLayout(), noEnv)
+		if err != nil {
+			return
+		}
+		for name := range vals.Sources {
+			if fs.Lookup(name) == nil {
+				t.Errorf("source recorded for unknown flag %q", name)
+			}
+		}
+	})
+}
