@@ -231,7 +231,7 @@ func (p *parser) set(key, name string, prim toml.Primitive) error {
 	}
 	d := &decoder{f: f}
 	if err := p.md.PrimitiveDecode(prim, d); err != nil {
-		return fileErr(p.path, err)
+		return p.at(prim, err)
 	}
 	p.sets = append(p.sets, setting{name: name, value: d.value, line: p.line(prim)})
 	return nil
@@ -239,17 +239,39 @@ func (p *parser) set(key, name string, prim toml.Primitive) error {
 
 // fail returns msg as an error at the position of prim's key.
 func (p *parser) fail(prim toml.Primitive, msg string) error {
-	return fileErr(p.path, p.md.PrimitiveDecode(prim, &failer{msg: msg}))
+	return p.at(prim, p.md.PrimitiveDecode(prim, &failer{msg: msg}))
+}
+
+// at names the file and line of a TOML error about prim.
+func (p *parser) at(prim toml.Primitive, err error) error {
+	err = fileErr(p.path, err)
+	var le *lineError
+	if errors.As(err, &le) && le.line == 0 {
+		le.line = p.line(prim)
+	}
+	return err
 }
 
 // line is the line of prim's key: the TOML library only tells positions
-// in errors, so it decodes prim into a value that refuses it.
+// in errors, so it decodes prim into a value that refuses it. A table
+// made implicitly by a dotted key (a.b = 1) has no line of its own; it
+// gets its first key's.
 func (p *parser) line(prim toml.Primitive) int {
 	var pe toml.ParseError
-	if errors.As(p.md.PrimitiveDecode(prim, &failer{msg: "position"}), &pe) {
+	if errors.As(p.md.PrimitiveDecode(prim, &failer{msg: "position"}), &pe) && pe.Position.Line > 0 {
 		return pe.Position.Line
 	}
-	return 0
+	var m map[string]toml.Primitive
+	if !p.table(prim, &m) {
+		return 0
+	}
+	first := 0
+	for _, v := range m {
+		if l := p.line(v); l > 0 && (first == 0 || l < first) {
+			first = l
+		}
+	}
+	return first
 }
 
 // failer refuses any value with its message.

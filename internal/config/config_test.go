@@ -152,6 +152,8 @@ func TestResolveErrors(t *testing.T) {
 		{"the file's own path", "config = \"/etc/other.toml\"\n", nil, []string{"kiln.toml:1:", `"config" cannot be set in the file`}},
 		{"syntax", "memory = 1\ncpus = = 2\n", nil, []string{"kiln.toml:2:"}},
 		{"duplicate key", "memory = 1\nmemory = 2\n", nil, []string{"kiln.toml:2:"}},
+		{"dotted key", "\n\nmemory.x.y = 1\n", nil, []string{"kiln.toml:3:", "memory: want an integer", "not a table"}},
+		{"unknown dotted key", "\nfoo.bar = 1\n", nil, []string{"kiln.toml:2:", `unknown key "foo"`}},
 		{"two mistakes", "memroy = 1\ncpus = \"x\"\n", nil, []string{"kiln.toml:1:", "kiln.toml:2:"}},
 	}
 	for _, tt := range tests {
