@@ -11,6 +11,7 @@ import (
 
 	"kiln/internal/audit"
 	"kiln/internal/event"
+	"kiln/internal/mcpserver"
 	"kiln/internal/metrics"
 	"kiln/internal/session"
 )
@@ -63,7 +64,7 @@ func (o *obsFlags) open(backend string, log *slog.Logger) (*observers, error) {
 		log.Info("audit log", "path", o.auditLog, "include_code", o.includeCode)
 	}
 	if o.metricsAddr != "" {
-		obs.metrics = metrics.New(metrics.Options{Backend: backend, Logger: log})
+		obs.metrics = metrics.New(metrics.Options{Backend: backend, Version: mcpserver.Version, Logger: log})
 	}
 	return obs, nil
 }

@@ -32,6 +32,7 @@ type Source interface {
 // Options configure Metrics.
 type Options struct {
 	Backend string // the server's backend, the "backend" label of its gauges
+	Version string // kiln's version, for kiln_build_info
 	Logger  *slog.Logger
 }
 
@@ -104,7 +105,13 @@ func New(opts Options) *Metrics {
 			Help: "Changes in named sessions' lives: create, reset, expire, close, snapshot, restore.",
 		}, []string{"backend", "op"}),
 	}
-	m.reg.MustRegister(m.executions, m.callSeconds, m.limitsHit, m.createSecs, m.createErrors,
+	info := prometheus.NewGauge(prometheus.GaugeOpts{
+		Name:        "kiln_build_info",
+		Help:        "Always 1; its labels name kiln's version and the server's backend.",
+		ConstLabels: prometheus.Labels{"version": opts.Version, "backend": opts.Backend},
+	})
+	info.Set(1)
+	m.reg.MustRegister(info, m.executions, m.callSeconds, m.limitsHit, m.createSecs, m.createErrors,
 		m.poolMisses, m.egress, m.sessions,
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))

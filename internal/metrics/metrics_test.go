@@ -43,7 +43,7 @@ func TestReadiness(t *testing.T) {
 }
 
 func TestObserveAndScrape(t *testing.T) {
-	m := New(Options{Backend: "jail"})
+	m := New(Options{Backend: "jail", Version: "1.2.3"})
 	src := &fakeSource{st: session.Stats{Sessions: 3, Boxes: 5, PoolReady: 1, PoolSize: 2}, mem: []int64{10 << 20, 30 << 20}}
 	m.SetSource(src)
 	m.Observe(event.Exec{Backend: "jail", Box: "b", Result: event.ResultOOM, Duration: time.Second, LimitsHit: []string{event.LimitMemory}})
@@ -79,6 +79,7 @@ func TestObserveAndScrape(t *testing.T) {
 	defer srv.Close()
 	body := fetch(t, srv.URL+"/metrics", http.StatusOK)
 	for _, want := range []string{
+		`kiln_build_info{backend="jail",version="1.2.3"} 1`,
 		`kiln_sessions_live{backend="jail"} 3`,
 		`kiln_boxes_live{backend="jail"} 5`,
 		`kiln_pool_ready_boxes{backend="jail"} 1`,

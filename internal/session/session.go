@@ -244,6 +244,12 @@ func (m *Manager) Get(principal, name string) (*Session, error) {
 	if !ValidName(name) {
 		return nil, ErrBadName
 	}
+	var created *Session // reported once the lock is released (deferred calls run last in, first out)
+	defer func() {
+		if created != nil {
+			m.observeSession(event.SessionCreate, created)
+		}
+	}()
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed {
@@ -267,7 +273,7 @@ func (m *Manager) Get(principal, name string) (*Session, error) {
 	}
 	s := newSession(m, principal, name)
 	m.sessions[k] = s
-	m.observeSession(event.SessionCreate, s)
+	created = s
 	return s, nil
 }
 
