@@ -168,6 +168,7 @@ async function startProxy(upstream, token) {
 // runSuite runs the suite's server mode against url and returns its exit
 // code and the pass/fail counts of its checks.
 async function runSuite(run, url, outDir) {
+  rmSync(outDir, { recursive: true, force: true }); // counts must not include an earlier run's
   mkdirSync(outDir, { recursive: true });
   const args = [suite(run.pkg).cli, 'server', '--url', url, ...run.args, '--expected-failures', path.join(here, run.baseline), '--output-dir', outDir];
   const proc = spawn(node22(), args, { cwd: outDir, stdio: ['ignore', 'pipe', 'pipe'] });
