@@ -95,10 +95,11 @@ function freePort() {
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 // startKiln runs kiln serve on a free loopback port with no sandbox kept
-// ready (no scenario runs code) and waits for /healthz.
+// ready (no scenario runs code) and no configuration file (the machine's
+// must not change what is tested), and waits for /healthz.
 async function startKiln(env) {
   const port = await freePort();
-  const proc = spawn(KILN, ['serve', '--addr', `127.0.0.1:${port}`, '--pool', '0', '--preload', ''], {
+  const proc = spawn(KILN, ['serve', '--config', '', '--addr', `127.0.0.1:${port}`, '--pool', '0', '--preload', ''], {
     env: { ...process.env, ...env },
     stdio: ['ignore', 'ignore', 'pipe'],
   });
