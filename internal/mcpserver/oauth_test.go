@@ -6,6 +6,8 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"net/netip"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -15,10 +17,13 @@ import (
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 	"github.com/modelcontextprotocol/go-sdk/oauthex"
 
+	"kiln/internal/egress"
 	"kiln/internal/mcpserver"
 	"kiln/internal/oauth"
 	"kiln/internal/oauth/oauthtest"
 	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/jail"
+	"kiln/internal/sandbox/sandboxtest"
 	"kiln/internal/session"
 	"kiln/internal/session/sessiontest"
 )
@@ -211,5 +216,87 @@ func TestOAuthMetadata(t *testing.T) {
 		if _, err := oauthex.GetProtectedResourceMetadata(context.Background(), u, f.resource, http.DefaultClient); err != nil {
 			t.Errorf("the SDK client refuses it: %v", err)
 		}
+	}
+}
+
+// TestOAuthNetScope: on a server with an allowlist, a client whose token
+// lacks kiln:net runs in a box cut off from the network, in session and
+// per-call mode; a session box a permitted call used is cut before an
+// unpermitted call of the same principal runs in it.
+func TestOAuthNetScope(t *testing.T) {
+	if os.Getuid() != 0 {
+		t.Skip("needs root for the jail backend and the egress gateway")
+	}
+	gw, err := egress.NewGateway(egress.Options{
+		Hosts:                map[string][]netip.Addr{"allowed.test": {netip.MustParseAddr("192.0.2.10")}},
+		TestOnlyAllowedAddrs: []netip.Prefix{netip.MustParsePrefix("192.0.2.0/24")},
+	})
+	if err != nil {
+		t.Skipf("egress gateway unavailable: %v", err)
+	}
+	t.Cleanup(func() { gw.Close() })
+	policy, err := egress.ParsePolicy("allowed.test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := jail.New(jail.Options{Agent: sandboxtest.BuildAgent(t), Egress: gw, Policy: policy})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { b.Close() })
+	const lookup = `import socket
+try:
+    print("resolved", socket.gethostbyname("allowed.test"))
+except OSError as e:
+    print("refused", e)`
+	for _, mode := range []session.Mode{session.ModeSession, session.ModePerCall} {
+		t.Run(string(mode), func(t *testing.T) {
+			mgr := session.NewManager(session.Options{Backend: b, Mode: mode, DefaultTimeout: 20 * time.Second, MaxOutput: 2000, Grace: time.Second})
+			t.Cleanup(mgr.Close)
+			srv := mcpserver.New(mcpserver.Options{Manager: mgr, Backend: b.Name(), Network: "allowed.test", NetScope: "kiln:net"})
+			iss := oauthtest.New(t)
+			var h http.Handler
+			ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { h.ServeHTTP(w, r) }))
+			t.Cleanup(ts.Close)
+			res := ts.URL + "/mcp"
+			v, err := oauth.New(context.Background(), oauth.Config{Issuer: iss.URL, Resource: res, JWKSURL: iss.JWKSURL(), Refresh: -1})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { v.Close() })
+			lim := testLimits()
+			h = srv.Handler(mcpserver.HTTPOptions{Limits: &lim, OAuth: &mcpserver.OAuth{Verify: v.Verify, Metadata: v.Metadata(), Scopes: []string{"kiln:run"}}})
+
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			run := func(scope string) string {
+				t.Helper()
+				cs, err := mcp.NewClient(&mcp.Implementation{Name: "t", Version: "1"}, nil).Connect(ctx,
+					&mcp.StreamableClientTransport{Endpoint: res, HTTPClient: &http.Client{Transport: bearer{iss.Mint(t, iss.Good(res, scope))}}}, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer cs.Close()
+				args := map[string]any{"code": lookup}
+				if mode == session.ModeSession {
+					args["session"] = "s"
+				}
+				r, err := cs.CallTool(ctx, &mcp.CallToolParams{Name: "run_python", Arguments: args})
+				if err != nil {
+					t.Fatal(err)
+				}
+				return text(r)
+			}
+			if got := run("kiln:run kiln:net"); !strings.Contains(got, "resolved 192.0.2.10") {
+				t.Fatalf("with kiln:net the allowed name does not resolve: %q", got)
+			}
+			got := run("kiln:run")
+			if !strings.Contains(got, "refused") || strings.Contains(got, "resolved") {
+				t.Fatalf("without kiln:net the box reached the network: %q", got)
+			}
+			if !strings.Contains(got, "not allowed to use it") {
+				t.Errorf("the result does not tell the model why: %q", got)
+			}
+		})
 	}
 }
