@@ -99,5 +99,5 @@ func (f *authFlags) oidc(ctx context.Context, log *slog.Logger) (*oauth.Verifier
 		v.Close()
 		return nil, nil, err
 	}
-	return v, &mcpserver.OAuth{Verify: v.Verify, Metadata: v.Metadata(), MetadataURL: meta, Scopes: []string{v.RunScope()}}, nil
+	return v, &mcpserver.OAuth{Verify: v.Verify, Metadata: v.Metadata(), MetadataURL: meta, Scopes: []string{v.RunScope()}, ClockSkew: v.Leeway()}, nil
 }

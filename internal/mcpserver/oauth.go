@@ -3,6 +3,7 @@ package mcpserver
 import (
 	"net/http"
 	"strings"
+	"time"
 
 	"github.com/modelcontextprotocol/go-sdk/auth"
 	"github.com/modelcontextprotocol/go-sdk/oauthex"
@@ -20,6 +21,9 @@ type OAuth struct {
 	// Scopes are needed for any request to /mcp; a token without one of
 	// them gets 403 insufficient_scope, naming them all.
 	Scopes []string
+	// ClockSkew is forgiven on the expiry Verify reports; give the leeway
+	// Verify itself allows, or the SDK refuses what Verify accepted.
+	ClockSkew time.Duration
 }
 
 // middleware guards next with the SDK's bearer-token check and completes
@@ -29,6 +33,7 @@ func (o *OAuth) middleware(next http.Handler) http.Handler {
 	guarded := auth.RequireBearerToken(o.Verify, &auth.RequireBearerTokenOptions{
 		ResourceMetadataURL: o.MetadataURL,
 		Scopes:              o.Scopes,
+		ClockSkew:           o.ClockSkew,
 	})(next)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		sent := strings.TrimSpace(r.Header.Get("Authorization")) != ""

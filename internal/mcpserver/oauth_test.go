@@ -1,9 +1,12 @@
 package mcpserver_test
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
@@ -58,7 +61,7 @@ func serveOAuth(t *testing.T, b sandbox.Backend) *oauthFixture {
 	}
 	lim := testLimits()
 	h = srv.Handler(mcpserver.HTTPOptions{Limits: &lim, OAuth: &mcpserver.OAuth{
-		Verify: v.Verify, Metadata: v.Metadata(), MetadataURL: f.metaURL, Scopes: []string{"kiln:run"},
+		Verify: v.Verify, Metadata: v.Metadata(), MetadataURL: f.metaURL, Scopes: []string{"kiln:run"}, ClockSkew: v.Leeway(),
 	}})
 	return f
 }
@@ -153,6 +156,7 @@ func TestOAuthChallenges(t *testing.T) {
 		{"no kiln:run", with(func(c *oauthtest.Claims) { c.Scope = "openid profile" }), http.StatusForbidden, "insufficient_scope"},
 		{"no scope", with(func(c *oauthtest.Claims) { c.Scope = "" }), http.StatusForbidden, "insufficient_scope"},
 		{"good", f.iss.Mint(t, good), http.StatusOK, ""},
+		{"expired within the leeway", with(func(c *oauthtest.Claims) { c.Expiry = time.Now().Add(-5 * time.Second) }), http.StatusOK, ""},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			resp := post(t, f.resource, c.token)
@@ -296,6 +300,39 @@ except OSError as e:
 			}
 			if !strings.Contains(got, "not allowed to use it") {
 				t.Errorf("the result does not tell the model why: %q", got)
+			}
+		})
+	}
+}
+
+// TestOAuthRefusedBodyNotRead: as with static tokens, a request with a
+// bad token (or a metadata request) is answered without its body being
+// read, and its connection is closed.
+func TestOAuthRefusedBodyNotRead(t *testing.T) {
+	f := serveOAuth(t, sessiontest.New(t, nil))
+	addr := strings.TrimPrefix(f.url, "http://")
+	for _, c := range []struct{ name, head string }{
+		{"bad token", "POST /mcp HTTP/1.1\r\nHost: %s\r\nAuthorization: Bearer " + f.iss.Mint(t, f.iss.Good("https://elsewhere.example/mcp", "kiln:run")) + "\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{"},
+		{"metadata", "GET /.well-known/oauth-protected-resource/mcp HTTP/1.1\r\nHost: %s\r\nContent-Length: 100000\r\n\r\n{"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			conn, err := net.Dial("tcp", addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			fmt.Fprintf(conn, c.head, addr) // the body never comes
+			conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+			resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+			if err != nil {
+				t.Fatalf("no answer while the body is still due: %v", err)
+			}
+			resp.Body.Close()
+			if !resp.Close {
+				t.Errorf("status %d keeps the connection", resp.StatusCode)
+			}
+			if !waitClosed(conn, 10*time.Second) {
+				t.Error("the server kept the connection open")
 			}
 		})
 	}

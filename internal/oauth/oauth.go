@@ -239,6 +239,9 @@ func (v *Verifier) Close() error {
 func (v *Verifier) RunScope() string { return v.cfg.RunScope }
 func (v *Verifier) NetScope() string { return v.cfg.NetScope }
 
+// Leeway is the clock skew forgiven on exp, nbf and iat.
+func (v *Verifier) Leeway() time.Duration { return v.cfg.Leeway }
+
 // Resource is kiln's resource URI.
 func (v *Verifier) Resource() string { return v.cfg.Resource }
 
@@ -418,7 +421,7 @@ func (v *Verifier) verifySig(ctx context.Context, tok *jwt.JSONWebToken, h jose.
 		keys = v.candidates(h.KeyID, alg)
 	}
 	if len(keys) == 0 {
-		return invalid("no key of the issuer matches the token (kid %q, alg %s)", h.KeyID, alg)
+		return invalid("no key of the issuer matches the token's key id and algorithm (%s)", alg)
 	}
 	for _, k := range keys {
 		if err := tok.Claims(k.Key, dest); err == nil {
