@@ -34,7 +34,7 @@ func registerAuth(fs *flag.FlagSet) *authFlags {
 	f := &authFlags{}
 	fs.StringVar(&f.mode, "auth", "tokens", "how clients authenticate: tokens (KILN_TOKEN, --token-file) or oidc (JWT access tokens of --oidc-issuer)")
 	fs.StringVar(&f.issuer, "oidc-issuer", "", "oidc: the authorization server's issuer identifier; every token's iss must equal it")
-	fs.StringVar(&f.jwksURL, "oidc-jwks-url", "", "oidc: URL of the issuer's JSON Web Key Set (its jwks_uri)")
+	fs.StringVar(&f.jwksURL, "oidc-jwks-url", "", "oidc: URL of the issuer's JSON Web Key Set (default: the jwks_uri of the issuer's metadata)")
 	fs.StringVar(&f.jwksFile, "oidc-jwks-file", "", "oidc: file holding the issuer's JSON Web Key Set, instead of --oidc-jwks-url")
 	fs.StringVar(&f.algs, "oidc-algs", strings.Join(oauth.DefaultAlgorithms, ","), "oidc: signature algorithms accepted, comma-separated (RS*, PS*, ES*, EdDSA; never HS* or none)")
 	fs.StringVar(&f.publicURL, "public-url", "", "oidc: the URL clients reach kiln at (e.g. https://kiln.example.com); the resource URI is it plus /mcp")

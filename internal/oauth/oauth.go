@@ -8,7 +8,8 @@
 //     (default RS256, ES256, EdDSA); "none", unsigned tokens and HMAC
 //     algorithms never are, whatever the list says, since kiln holds no
 //     shared secret and an HMAC over a public key proves nothing;
-//   - its key comes from the issuer's JWKS (a URL or a file), matched by
+//   - its key comes from the issuer's JWKS (a URL, a file, or the
+//     jwks_uri of the issuer's own metadata), matched by
 //     kid, of a type that fits the algorithm, not marked for encryption
 //     and not declaring another algorithm;
 //   - iss is the configured issuer, exactly; aud names kiln's resource URI
@@ -83,7 +84,9 @@ type Config struct {
 	Issuer   string // required; the iss of every token, exactly
 	Resource string // required; kiln's resource URI, which aud must name
 
-	// JWKSURL or JWKSFile (one of them) holds the issuer's public keys.
+	// JWKSURL or JWKSFile (at most one of them) holds the issuer's
+	// public keys. With neither, New finds jwks_uri in the issuer's
+	// metadata (RFC 8414, then OpenID Connect Discovery).
 	JWKSURL  string
 	JWKSFile string
 
@@ -143,6 +146,14 @@ func New(ctx context.Context, cfg Config) (*Verifier, error) {
 	if v.client == nil {
 		v.client = &http.Client{Timeout: cfg.FetchTimeout}
 	}
+	if cfg.JWKSURL == "" && cfg.JWKSFile == "" {
+		u, err := v.discoverJWKS(ctx)
+		if err != nil {
+			return nil, err
+		}
+		v.cfg.JWKSURL = u
+		v.log.Info("found the issuer's keys in its metadata", "jwks_uri", u)
+	}
 	v.fetchMu.Lock()
 	err := v.fetch(ctx)
 	v.fetchMu.Unlock()
@@ -168,8 +179,8 @@ func (c *Config) fill() error {
 		return err
 	}
 	switch {
-	case (c.JWKSURL == "") == (c.JWKSFile == ""):
-		return fmt.Errorf("%w: give the issuer's keys as a JWKS URL or a JWKS file (one of them)", ErrConfig)
+	case c.JWKSURL != "" && c.JWKSFile != "":
+		return fmt.Errorf("%w: give the issuer's keys as a JWKS URL or a JWKS file, not both", ErrConfig)
 	case c.JWKSURL != "":
 		if err := checkURL(c.JWKSURL, "JWKS URL"); err != nil {
 			return err

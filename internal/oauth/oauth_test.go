@@ -317,7 +317,6 @@ func TestConfigErrors(t *testing.T) {
 	for name, cfg := range map[string]oauth.Config{
 		"no issuer":        {Resource: resource, JWKSURL: iss.JWKSURL()},
 		"no resource":      {Issuer: iss.URL, JWKSURL: iss.JWKSURL()},
-		"no keys":          {Issuer: iss.URL, Resource: resource},
 		"both keys":        {Issuer: iss.URL, Resource: resource, JWKSURL: iss.JWKSURL(), JWKSFile: "/x"},
 		"relative":         {Issuer: iss.URL, Resource: "/mcp", JWKSURL: iss.JWKSURL()},
 		"fragment":         {Issuer: iss.URL, Resource: resource + "#x", JWKSURL: iss.JWKSURL()},
@@ -327,6 +326,53 @@ func TestConfigErrors(t *testing.T) {
 		if _, err := oauth.New(context.Background(), cfg); !errors.Is(err, oauth.ErrConfig) {
 			t.Errorf("%s: %v, want a configuration error", name, err)
 		}
+	}
+}
+
+// TestDiscovery: without a JWKS URL or file, the keys are found through
+// the issuer's metadata, which must name that issuer.
+func TestDiscovery(t *testing.T) {
+	iss := oauthtest.New(t)
+	v, err := oauth.New(context.Background(), oauth.Config{Issuer: iss.URL, Resource: resource})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v.Close()
+	if _, err := v.Verify(context.Background(), iss.Mint(t, iss.Good(resource, "kiln:run")), nil); err != nil {
+		t.Fatal(err)
+	}
+
+	// An issuer with a path, whose metadata sits at either well-known
+	// place; metadata that names another issuer is refused.
+	other := oauthtest.New(t)
+	for _, path := range []string{"/.well-known/oauth-authorization-server/realm", "/realm/.well-known/openid-configuration"} {
+		t.Run(path, func(t *testing.T) {
+			var named string
+			ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.URL.Path != path {
+					http.NotFound(w, r)
+					return
+				}
+				json.NewEncoder(w).Encode(map[string]string{"issuer": named, "jwks_uri": other.JWKSURL()})
+			}))
+			defer ts.Close()
+			realm := ts.URL + "/realm"
+			named = realm
+			v, err := oauth.New(context.Background(), oauth.Config{Issuer: realm, Resource: resource})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer v.Close()
+			c := other.Good(resource, "kiln:run")
+			c.Issuer = realm
+			if _, err := v.Verify(context.Background(), other.Mint(t, c), nil); err != nil {
+				t.Fatal(err)
+			}
+			named = other.URL
+			if _, err := oauth.New(context.Background(), oauth.Config{Issuer: realm, Resource: resource}); err == nil {
+				t.Fatal("keys were taken from metadata that names another issuer")
+			}
+		})
 	}
 }
 

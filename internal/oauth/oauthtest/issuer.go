@@ -21,7 +21,8 @@ import (
 )
 
 // Issuer is a test authorization server. Its URL is the issuer
-// identifier; the key set is at URL + "/jwks".
+// identifier; the key set is at URL + "/jwks", named in its RFC 8414
+// metadata.
 type Issuer struct {
 	URL string
 
@@ -37,13 +38,16 @@ func New(t testing.TB) *Issuer {
 	iss := &Issuer{}
 	iss.keys = []jose.JSONWebKey{iss.newKey(t, jose.RS256)}
 	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path != "/jwks" {
-			http.NotFound(w, r)
-			return
-		}
-		iss.fetches.Add(1)
 		w.Header().Set("Content-Type", "application/json")
-		w.Write(iss.JWKS())
+		switch r.URL.Path {
+		case "/jwks":
+			iss.fetches.Add(1)
+			w.Write(iss.JWKS())
+		case "/.well-known/oauth-authorization-server":
+			json.NewEncoder(w).Encode(map[string]any{"issuer": iss.URL, "jwks_uri": iss.JWKSURL(), "code_challenge_methods_supported": []string{"S256"}})
+		default:
+			http.NotFound(w, r)
+		}
 	}))
 	t.Cleanup(ts.Close)
 	iss.URL = ts.URL
