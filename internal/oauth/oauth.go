@@ -340,17 +340,26 @@ func readCapped(r io.Reader) ([]byte, error) {
 	return data, nil
 }
 
-// parseJWKS keeps the public signing keys of a JWKS document. Symmetric
-// keys are refused outright: a JWKS that publishes one is misconfigured.
+// parseJWKS keeps the public signing keys of a JWKS document. Keys kiln
+// cannot read (a type or curve go-jose does not know) are skipped, so
+// one exotic key of the issuer does not lock every client out; skipping
+// a key can only refuse tokens. Symmetric keys are refused outright: a
+// JWKS that publishes one is misconfigured.
 func parseJWKS(data []byte) (jose.JSONWebKeySet, error) {
-	var set jose.JSONWebKeySet
-	if err := json.Unmarshal(data, &set); err != nil {
-		return set, err
+	var raw struct {
+		Keys []json.RawMessage `json:"keys"`
 	}
 	var out jose.JSONWebKeySet
-	for _, k := range set.Keys {
+	if err := json.Unmarshal(data, &raw); err != nil {
+		return out, err
+	}
+	for _, r := range raw.Keys {
+		var k jose.JSONWebKey
+		if err := k.UnmarshalJSON(r); err != nil {
+			continue
+		}
 		if _, sym := k.Key.([]byte); sym {
-			return set, fmt.Errorf("key %q is a symmetric key; a key set must hold public keys only", k.KeyID)
+			return out, fmt.Errorf("key %q is a symmetric key; a key set must hold public keys only", k.KeyID)
 		}
 		if k.Use != "" && k.Use != "sig" {
 			continue

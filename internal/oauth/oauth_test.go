@@ -312,6 +312,30 @@ func TestJWKSFile(t *testing.T) {
 	}
 }
 
+// TestJWKSSkipsUnknownKeys: a key kiln cannot read does not lock out
+// the tokens of the keys it can.
+func TestJWKSSkipsUnknownKeys(t *testing.T) {
+	iss := oauthtest.New(t)
+	var set map[string][]json.RawMessage
+	if err := json.Unmarshal(iss.JWKS(), &set); err != nil {
+		t.Fatal(err)
+	}
+	set["keys"] = append([]json.RawMessage{json.RawMessage(`{"kty":"XYZ","kid":"exotic"}`), json.RawMessage(`{"kty":"EC","crv":"P-999","kid":"odd","x":"AA","y":"AA"}`)}, set["keys"]...)
+	p := filepath.Join(t.TempDir(), "jwks.json")
+	data, _ := json.Marshal(set)
+	if err := os.WriteFile(p, data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	v, err := oauth.New(context.Background(), oauth.Config{Issuer: iss.URL, Resource: resource, JWKSFile: p})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v.Close()
+	if _, err := v.Verify(context.Background(), iss.Mint(t, iss.Good(resource, "kiln:run")), nil); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestConfigErrors(t *testing.T) {
 	iss := oauthtest.New(t)
 	for name, cfg := range map[string]oauth.Config{
