@@ -179,6 +179,17 @@ func TestOAuthChallenges(t *testing.T) {
 			}
 		})
 	}
+	for name, tok := range f.iss.Forgeries(t, good) {
+		t.Run("forged: "+name, func(t *testing.T) {
+			resp := post(t, f.resource, tok)
+			if resp.StatusCode != http.StatusUnauthorized {
+				t.Fatalf("status %d, want 401", resp.StatusCode)
+			}
+			if h := resp.Header.Get("WWW-Authenticate"); !strings.Contains(h, `error="invalid_token"`) {
+				t.Errorf("WWW-Authenticate %q", h)
+			}
+		})
+	}
 	t.Run("rotation", func(t *testing.T) {
 		old := f.iss.Mint(t, good)
 		f.iss.Rotate(t, jose.ES256, false)

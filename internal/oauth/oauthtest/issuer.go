@@ -5,12 +5,17 @@ package oauthtest
 import (
 	"crypto/ecdsa"
 	"crypto/elliptic"
+	"crypto/hmac"
 	"crypto/rand"
 	"crypto/rsa"
+	"crypto/sha256"
+	"crypto/x509"
+	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -178,4 +183,53 @@ func (c Claims) jwt() map[string]any {
 		}
 	}
 	return m
+}
+
+// Forgeries are tokens a verifier must refuse, each carrying claims c
+// that would be accepted if the token were signed properly.
+func (iss *Issuer) Forgeries(t testing.TB, c Claims) map[string]string {
+	t.Helper()
+	key := iss.Key()
+	pub := key.Public()
+	der, err := x509.MarshalPKIXPublicKey(pub.Key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b64 := base64.RawURLEncoding.EncodeToString
+	compact := func(header map[string]any, sig []byte, hmacKey []byte) string {
+		h, _ := json.Marshal(header)
+		input := b64(h) + "." + b64(c.Payload())
+		if hmacKey != nil {
+			m := hmac.New(sha256.New, hmacKey)
+			m.Write([]byte(input))
+			sig = m.Sum(nil)
+		}
+		return input + "." + b64(sig)
+	}
+	good := iss.Mint(t, c)
+	parts := strings.Split(good, ".")
+	sig, _ := base64.RawURLEncoding.DecodeString(parts[2])
+	sig[len(sig)/2] ^= 1
+	later := c
+	later.NotBefore = time.Now().Add(time.Hour)
+	expired := c
+	expired.Expiry = time.Now().Add(-time.Hour)
+	return map[string]string{
+		"unsigned":                     compact(map[string]any{"alg": key.Algorithm, "kid": key.KeyID}, nil, nil),
+		"alg none":                     compact(map[string]any{"alg": "none", "kid": key.KeyID}, nil, nil),
+		"HS256 with the public key":    compact(map[string]any{"alg": "HS256", "kid": key.KeyID}, nil, der),
+		"unknown kid":                  compact(map[string]any{"alg": key.Algorithm, "kid": "no-such-key"}, make([]byte, 256), nil),
+		"tampered signature":           parts[0] + "." + parts[1] + "." + b64(sig),
+		"payload swapped":              parts[0] + "." + b64([]byte(`{"sub":"mallory"}`)) + "." + parts[2],
+		"not yet valid":                iss.Mint(t, later),
+		"expired":                      iss.Mint(t, expired),
+		"signed by another issuer key": MintWith(t, iss.newKeyLocked(t), c),
+	}
+}
+
+// newKeyLocked makes a key that is not in the issuer's set.
+func (iss *Issuer) newKeyLocked(t testing.TB) jose.JSONWebKey {
+	iss.mu.Lock()
+	defer iss.mu.Unlock()
+	return iss.newKey(t, jose.RS256)
 }
