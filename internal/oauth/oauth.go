@@ -388,8 +388,21 @@ func invalid(format string, args ...any) error {
 }
 
 // Verify checks token and names its principal and scopes. Every error
-// wraps auth.ErrInvalidToken, so the SDK's middleware answers 401.
-func (v *Verifier) Verify(ctx context.Context, token string, _ *http.Request) (*auth.TokenInfo, error) {
+// wraps auth.ErrInvalidToken, so the SDK's middleware answers 401; the
+// reason goes to the client and to the debug log.
+func (v *Verifier) Verify(ctx context.Context, token string, r *http.Request) (*auth.TokenInfo, error) {
+	ti, err := v.verify(ctx, token)
+	if err != nil {
+		remote := ""
+		if r != nil {
+			remote = r.RemoteAddr
+		}
+		v.log.Debug("refused an access token", "remote", remote, "reason", err)
+	}
+	return ti, err
+}
+
+func (v *Verifier) verify(ctx context.Context, token string) (*auth.TokenInfo, error) {
 	if len(token) > maxTokenBytes {
 		return nil, invalid("token longer than %d bytes", maxTokenBytes)
 	}
