@@ -28,16 +28,19 @@ type OAuth struct {
 
 // middleware guards next with the SDK's bearer-token check and completes
 // its challenges with the RFC 6750 error codes: invalid_token when a
-// token was sent and refused, insufficient_scope on 403.
+// token was sent and refused, insufficient_scope on 403. Only the
+// refusal goes through the rewriting writer; an admitted request reaches
+// next with the connection's own.
 func (o *OAuth) middleware(next http.Handler) http.Handler {
-	guarded := auth.RequireBearerToken(o.Verify, &auth.RequireBearerTokenOptions{
+	check := auth.RequireBearerToken(o.Verify, &auth.RequireBearerTokenOptions{
 		ResourceMetadataURL: o.MetadataURL,
 		Scopes:              o.Scopes,
 		ClockSkew:           o.ClockSkew,
-	})(next)
+	})
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		sent := strings.TrimSpace(r.Header.Get("Authorization")) != ""
-		guarded.ServeHTTP(&challengeWriter{ResponseWriter: w, sent: sent}, r)
+		admit := http.HandlerFunc(func(_ http.ResponseWriter, r *http.Request) { next.ServeHTTP(w, r) })
+		check(admit).ServeHTTP(&challengeWriter{ResponseWriter: w, sent: sent}, r)
 	})
 }
 
