@@ -4,7 +4,7 @@ export CGO_ENABLED := 0
 GO      ?= go
 BIN     := bin
 APT_RUNTIME := python3 python3-numpy python3-pandas python3-matplotlib
-APT_TEST    := iproute2 nftables curl qemu-system-x86 debootstrap e2fsprogs
+APT_TEST    := iproute2 nftables curl qemu-system-x86 debootstrap e2fsprogs systemd
 
 .PHONY: all build run serve demo test test-go test-e2e deps deps-runtime deps-test runsc lint race fuzz clean
 
@@ -55,7 +55,7 @@ test-e2e: build
 # must keep compiling), staticcheck (pinned in go.mod as a Go tool) and a
 # tidy go.mod.
 lint:
-	@out=$$(gofmt -l cmd internal); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	@out=$$(gofmt -l cmd internal contrib); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 	GOOS=darwin $(GO) vet ./...
 	$(GO) tool staticcheck ./...
