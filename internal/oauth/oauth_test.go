@@ -413,3 +413,35 @@ func TestMetadataURL(t *testing.T) {
 		}
 	}
 }
+
+// TestConcurrentVerify: tokens are verified while the key set is fetched
+// again, periodically and for unknown kids (for the race detector: make
+// race runs this package).
+func TestConcurrentVerify(t *testing.T) {
+	iss := oauthtest.New(t)
+	v := newVerifier(t, iss, func(c *oauth.Config) { c.Refresh = time.Millisecond; c.MinRefetch = time.Nanosecond })
+	tok := iss.Mint(t, iss.Good(resource, "kiln:run"))
+	iss.Rotate(t, jose.ES256, true)
+	fresh := iss.Mint(t, iss.Good(resource, "kiln:run"))
+	done := make(chan error, 8)
+	for i := range 8 {
+		go func() {
+			var err error
+			for range 50 {
+				tk := tok
+				if i%2 == 1 {
+					tk = fresh
+				}
+				if _, e := v.Verify(context.Background(), tk, nil); e != nil {
+					err = e
+				}
+			}
+			done <- err
+		}()
+	}
+	for range 8 {
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	}
+}
