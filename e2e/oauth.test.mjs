@@ -5,7 +5,10 @@
 import { describe, it, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { createServer } from 'node:http';
-import { generateKeyPairSync, sign } from 'node:crypto';
+import { generateKeyPairSync, sign, createHash } from 'node:crypto';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
 
 import { call, ok, connectHTTP, startHTTP, freePort, skip } from './helpers.mjs';
 
@@ -40,29 +43,49 @@ describe('oauth resource server', { skip }, () => {
   let iss;
   let srv;
   let resource;
+  let dir;
+  let auditPath;
+  let metricsURL;
   before(async () => {
     iss = await startIssuer();
+    dir = mkdtempSync(path.join(os.tmpdir(), 'kiln-e2e-oauth-'));
+    auditPath = path.join(dir, 'audit.log');
+    const metricsPort = await freePort();
+    metricsURL = `http://127.0.0.1:${metricsPort}/metrics`;
     const port = await freePort();
     resource = `http://127.0.0.1:${port}/mcp`;
     srv = await startHTTP({
       port,
-      flags: ['--preload', '', '--auth', 'oidc', '--oidc-issuer', iss.url, '--oidc-jwks-url', iss.jwks, '--public-url', `http://127.0.0.1:${port}`],
+      flags: ['--preload', '', '--auth', 'oidc', '--oidc-issuer', iss.url, '--oidc-jwks-url', iss.jwks, '--public-url', `http://127.0.0.1:${port}`,
+        '--audit-log', auditPath, '--metrics-addr', `127.0.0.1:${metricsPort}`],
       env: { KILN_TOKEN: '' },
     });
   });
   after(async () => {
     await srv?.stop();
     await iss?.close();
+    if (dir) rmSync(dir, { recursive: true, force: true });
   });
 
-  it('runs code for a token of the issuer with kiln:run', async () => {
+  // The issue's "done means": a token from a local issuer runs code, and
+  // the audit log and the metrics show that call.
+  it('runs code for a token of the issuer with kiln:run; the audit log and the metrics show the call', async () => {
     const token = iss.mint({ sub: 'e2e-alice', aud: resource, scope: 'kiln:run' });
+    const code = 'print(6 * 7)';
     const c = await connectHTTP(srv.url, token);
     try {
-      assert.match(ok(await call(c.client, 'run_python', { code: 'print(6 * 7)' })), /42/);
+      assert.match(ok(await call(c.client, 'run_python', { code })), /42/);
     } finally {
       await c.close();
     }
+    const recs = readFileSync(auditPath, 'utf8').trim().split('\n').map((l) => JSON.parse(l));
+    const exec = recs.find((r) => r.type === 'exec');
+    assert.ok(exec, `no exec record: ${JSON.stringify(recs)}`);
+    assert.equal(exec.principal, `oidc:${iss.url}#e2e-alice`);
+    assert.equal(exec.result, 'ok');
+    assert.equal(exec.code_sha256, createHash('sha256').update(code).digest('hex'));
+    const body = await (await fetch(metricsURL)).text();
+    assert.match(body, /^kiln_executions_total\{backend="jail",result="ok"\} 1$/m, body);
   });
 
   it('answers 401 with a challenge naming the metadata, and serves the metadata', async () => {
