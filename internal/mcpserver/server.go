@@ -33,6 +33,8 @@ type Options struct {
 	Network string // one sentence on what boxes can reach; "" means no network
 	Backend string
 	Logger  *slog.Logger
+	// Resources configures what comes back as kiln:// resource links.
+	Resources ResourceOptions
 }
 
 // Server is kiln's MCP server.
@@ -41,6 +43,7 @@ type Server struct {
 	opts Options
 	log  *slog.Logger
 	mcp  *mcp.Server
+	res  *resStore // results as resources (resources.go)
 }
 
 // New builds the MCP server with its tools.
@@ -53,7 +56,9 @@ func New(opts Options) *Server {
 		Instructions: s.instructions(),
 		Logger:       opts.Logger,
 	})
+	s.res = newResStore(opts.Manager, opts.Resources)
 	s.addTools()
+	s.addResources()
 	return s
 }
 
@@ -258,7 +263,7 @@ func (s *Server) run(ctx context.Context, req *mcp.CallToolRequest, lang session
 			return s.failure(log, err), nil, nil
 		}
 		log.Info("call", "duration", out.Duration, "error", out.Error != nil, "timed_out", out.TimedOut)
-		return s.render(out, produced), nil, nil
+		return s.renderCall(req, out, produced), nil, nil
 	}
 	if len(files) > 0 {
 		return toolError("\"files\" is for per-call mode; in a session, use write_file"), nil, nil
@@ -277,7 +282,7 @@ func (s *Server) run(ctx context.Context, req *mcp.CallToolRequest, lang session
 		return s.failure(log, err), nil, nil
 	}
 	log.Info("call", "session", out.Session, "duration", out.Duration, "error", out.Error != nil, "timed_out", out.TimedOut, "restarted", out.Restarted)
-	return s.render(out, nil), nil, nil
+	return s.renderCall(req, out, nil), nil, nil
 }
 
 // failure turns an error of kiln's into a result the model can read; the
@@ -338,8 +343,6 @@ func (s *Server) writeFile(ctx context.Context, req *mcp.CallToolRequest, args W
 	return textResult(fmt.Sprintf("[session: %s] wrote %d bytes to %s", sess.Name(), len(data), args.Path)), nil, nil
 }
 
-const maxReadBytes = 8 << 20
-
 func (s *Server) readFile(ctx context.Context, req *mcp.CallToolRequest, args ReadFileArgs) (*mcp.CallToolResult, any, error) {
 	sess, err := s.session(req, args.Session)
 	if err != nil {
@@ -350,11 +353,14 @@ func (s *Server) readFile(ctx context.Context, req *mcp.CallToolRequest, args Re
 		size int64
 	)
 	err = sess.WithBox(ctx, func(box sandbox.Sandbox) (err error) {
-		data, size, err = box.ReadFile(ctx, args.Path, maxReadBytes)
+		data, size, err = box.ReadFile(ctx, args.Path, int64(s.res.opts.InlineBytes))
 		return err
 	})
 	if err != nil {
 		return s.failure(s.log, err), nil, nil
+	}
+	if size > int64(len(data)) {
+		return s.linkedFileResult(req, sess, args.Path, data, size), nil, nil
 	}
 	header := fmt.Sprintf("[session: %s] %s (%d bytes)", sess.Name(), args.Path, size)
 	if int64(len(data)) < size {
