@@ -65,8 +65,8 @@ type Response struct {
 	// Offset is where an OpRead answer's Data starts in the file: the
 	// request's Offset, echoed so that the host can tell an agent that
 	// does not know ranged reads (and answered from 0) from one that does.
-	Offset int64 `json:"offset,omitempty"`
-	Files []FileInfo  `json:"files,omitempty"`
+	Offset int64      `json:"offset,omitempty"`
+	Files  []FileInfo `json:"files,omitempty"`
 	// Output, when set, makes this frame a progress report of the running
 	// request ID rather than its answer: the request stays pending.
 	Output *Output `json:"output,omitempty"`

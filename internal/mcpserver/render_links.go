@@ -145,3 +145,20 @@ func trimPartialRune(b []byte) []byte {
 	}
 	return b
 }
+
+// shownOutput is the output per stream a result shows.
+func (s *Server) shownOutput() int {
+	if n := s.res.opts.InlineOutput; n > 0 {
+		return min(n, s.mgr.Options().MaxOutput)
+	}
+	return s.mgr.Options().MaxOutput
+}
+
+// describeResources tells the model what comes back as a link.
+func (s *Server) describeResources() string {
+	what := "images and files"
+	if s.shownOutput() < s.mgr.Options().MaxOutput {
+		what = "the rest of cut output (up to " + fmt.Sprint(s.mgr.Options().MaxOutput>>10) + " KiB per stream), images and files"
+	}
+	return fmt.Sprintf("Over %d KiB, %s come back as kiln:// resource links: read them with resources/read. ", s.res.opts.InlineBytes>>10, what)
+}

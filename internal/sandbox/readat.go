@@ -22,7 +22,7 @@ var _ RangeReader = (*AgentConn)(nil)
 
 // ErrNoRangedRead is an agent that answered a ranged read from the start
 // of the file: it predates ranged reads.
-var ErrNoRangedRead = errors.New("this sandbox's agent cannot read a file from an offset; rebuild its image")
+var ErrNoRangedRead = errors.New("this sandbox cannot read a file from an offset (an agent older than ranged reads: rebuild its image)")
 
 func (c *AgentConn) ReadFileAt(ctx context.Context, path string, off, max int64) ([]byte, int64, error) {
 	if off < 0 {

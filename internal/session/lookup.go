@@ -41,3 +41,13 @@ func (s *Session) WithLiveBox(ctx context.Context, f func(sandbox.Sandbox) error
 	s.after(box, err)
 	return err
 }
+
+// ReadFileAt keeps ranged reads visible through the wrapper.
+func (b *countedBox) ReadFileAt(ctx context.Context, path string, off, max int64) ([]byte, int64, error) {
+	if r, ok := b.Sandbox.(sandbox.RangeReader); ok {
+		return r.ReadFileAt(ctx, path, off, max)
+	}
+	return nil, 0, sandbox.ErrNoRangedRead
+}
+
+var _ sandbox.RangeReader = (*countedBox)(nil)
