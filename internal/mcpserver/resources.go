@@ -75,15 +75,22 @@ const (
 const (
 	// maxResourceRead is the largest workspace file resources/read
 	// serves: the largest write_file may create. It is read in pieces of
-	// agentproto.MaxRead.
+	// readChunk.
 	maxResourceRead = 32 << 20
 	// bigRead is where a read starts to count against readBudget.
 	bigRead = 1 << 20
-	// readBudget bounds the file bytes of the big reads being served at
-	// once; each costs about four times its size on its way out (the
-	// bytes, their base64 in the result, the JSON-RPC frame and the
-	// transport's copy). A read waits for its share.
-	readBudget = 2 * maxResourceRead
+	// readBudget bounds the file bytes being read out of boxes (and of
+	// held outputs being answered) at once: one of the largest reads, or
+	// a few smaller ones; a read waits for its share. It does not cover
+	// what follows the handler: the SDK encodes the result (base64, the
+	// JSON-RPC frame, the transport's copy) after it returns, so a 20 MiB
+	// read peaks kiln at about 190 MiB, four at once at about 380 MiB
+	// (README, "Results as resources").
+	readBudget = maxResourceRead
+	// readChunk is the piece of a file one agent read carries: smaller
+	// than agentproto.MaxRead, so the frames it arrives in stay small
+	// next to the file.
+	readChunk = 4 << 20
 	// maxResourceItems bounds the entries the store holds, whatever
 	// their size (a file link holds no bytes).
 	maxResourceItems = 4096
@@ -491,7 +498,7 @@ func (s *Server) readFileResource(ctx context.Context, req *mcp.ReadResourceRequ
 }
 
 // readWhole reads a workspace file of up to maxResourceRead bytes, in
-// pieces of agentproto.MaxRead, under the budget of big reads. A file
+// pieces of readChunk, under the budget of big reads. A file
 // that changes size while it is read is an error, not a mix of two
 // versions of it.
 func (s *Server) readWhole(ctx context.Context, box sandbox.Sandbox, p string) ([]byte, error) {
@@ -518,7 +525,7 @@ func (s *Server) readWhole(ctx context.Context, box sandbox.Sandbox, p string) (
 	data := make([]byte, 0, size)
 	data = append(data, head...)
 	for int64(len(data)) < size {
-		chunk, n, err := rr.ReadFileAt(ctx, p, int64(len(data)), min(agentproto.MaxRead, size-int64(len(data))))
+		chunk, n, err := rr.ReadFileAt(ctx, p, int64(len(data)), min(readChunk, size-int64(len(data))))
 		if err != nil {
 			return nil, err
 		}
