@@ -307,15 +307,11 @@ func firstLine(s, fallback string) string {
 	return line
 }
 
-// writeStream writes captured output, marking where the agent cut it.
+// writeStreamAt writes captured output, marking where it was cut.
 // AgentConn has validated the stream; a cut out of range is still ignored
 // here rather than trusted.
-func writeStream(b *strings.Builder, label string, st agentproto.Stream) {
-	writeStreamAt(b, label, st, "")
-}
-
-// writeStreamAt is writeStream whose truncation note names the URI that
-// holds what the result does not show ("": none).
+// The truncation note names the URI that holds what the result does not
+// show (uri "": none).
 func writeStreamAt(b *strings.Builder, label string, st agentproto.Stream, uri string) {
 	if st.Total == 0 {
 		return
