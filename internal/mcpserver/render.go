@@ -69,15 +69,16 @@ func (s *Server) render(out *session.Outcome, produced []session.Produced) *mcp.
 }
 
 // renderWith renders with link filing what is too big to inline as
-// resources (nil: everything inline).
+// resources (nil: images and files inline; output over what a result
+// shows is cut all the same, with no URI for the rest).
 func (s *Server) renderWith(link *callLinks, out *session.Outcome, produced []session.Produced) *mcp.CallToolResult {
 	res := out.ExecResult
 	if res == nil {
 		res = &agentproto.ExecResult{}
 	}
 	r := &rendering{cut: richCut{left: maxResultRich}, link: link}
-	if link != nil {
-		r.inline, r.inlineOutput = link.st.opts.InlineBytes, link.st.opts.InlineOutput
+	if s.res != nil {
+		r.inline, r.inlineOutput = s.res.opts.InlineBytes, s.res.opts.InlineOutput
 	}
 	res, outURI, errURI := r.streams(res)
 	if out.Session != "" {

@@ -60,10 +60,10 @@ func (r *rendering) linkFile(p session.Produced) (*mcp.ResourceLink, bool) {
 }
 
 // streams cuts stdout and stderr to what a result shows, filing what was
-// kept of each as a resource when it holds more than that. It returns the
+// kept of each as a resource when it holds more than that (and r files). It returns the
 // result with the cut streams and the URI of each filed stream.
 func (r *rendering) streams(res *agentproto.ExecResult) (_ *agentproto.ExecResult, outURI, errURI string) {
-	if r.link == nil || r.inlineOutput <= 0 {
+	if r.inlineOutput <= 0 {
 		return res, "", ""
 	}
 	cp := *res
@@ -74,8 +74,8 @@ func (r *rendering) streams(res *agentproto.ExecResult) (_ *agentproto.ExecResul
 
 func (r *rendering) stream(name string, st agentproto.Stream) (agentproto.Stream, string) {
 	shown := cutStream(st, r.inlineOutput)
-	if len(shown.Text) == len(st.Text) {
-		return st, ""
+	if len(shown.Text) == len(st.Text) || r.link == nil {
+		return shown, ""
 	}
 	l := r.link.hold(name, "text/plain", []byte(keptText(st)))
 	if l == nil {

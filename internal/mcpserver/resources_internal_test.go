@@ -2,10 +2,12 @@ package mcpserver
 
 import (
 	"bytes"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/modelcontextprotocol/go-sdk/mcp"
 
 	"kiln/internal/agentproto"
 	"kiln/internal/session"
@@ -83,5 +85,23 @@ func TestCutStream(t *testing.T) {
 				t.Errorf("(-want +got):\n%s", diff)
 			}
 		})
+	}
+}
+
+// TestRenderWithoutLinksCuts: a result rendered with nothing to file
+// (render, as a caller without a request uses it) still shows no more
+// output than InlineOutput, and names no URI.
+func TestRenderWithoutLinksCuts(t *testing.T) {
+	mgr := session.NewManager(session.Options{Mode: session.ModePerCall, MaxOutput: 1 << 20})
+	defer mgr.Close()
+	s := New(Options{Manager: mgr, Resources: ResourceOptions{InlineOutput: 10}})
+	long := strings.Repeat("x", 100)
+	res := s.render(&session.Outcome{ExecResult: &agentproto.ExecResult{Stdout: agentproto.Stream{Text: long, Total: 100}}}, nil)
+	tx := res.Content[0].(*mcp.TextContent).Text
+	if strings.Contains(tx, long) || !strings.Contains(tx, "[… truncated 90 of 100 bytes …]") || strings.Contains(tx, "kiln://") {
+		t.Errorf("%q", tx)
+	}
+	if got := res.StructuredContent.(map[string]any)["stdout"].(string); len(got) != 10 {
+		t.Errorf("structuredContent stdout of %d bytes", len(got))
 	}
 }
