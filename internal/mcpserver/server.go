@@ -56,6 +56,7 @@ func New(opts Options) *Server {
 		Instructions: s.instructions(),
 		Logger:       opts.Logger,
 	})
+	s.mcp.AddReceivingMiddleware(undeclared)
 	s.res = newResStore(opts.Manager, opts.Resources)
 	s.addTools()
 	s.addResources()
