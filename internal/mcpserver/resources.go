@@ -266,7 +266,7 @@ func (st *resStore) list(principal string) []*resItem {
 	return out
 }
 
-// held reports the bytes held for principal and in all (for tests).
+// heldBytes reports the bytes held for principal and in all.
 func (st *resStore) heldBytes(principal string) (int64, int64) {
 	st.mu.Lock()
 	defer st.mu.Unlock()

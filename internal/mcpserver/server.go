@@ -180,12 +180,7 @@ const workspace = boxplan.Workspace
 
 // principal identifies the caller: the token's user over HTTP, "local"
 // over stdio.
-func principal(req *mcp.CallToolRequest) string {
-	if req.Extra != nil && req.Extra.TokenInfo != nil && req.Extra.TokenInfo.UserID != "" {
-		return req.Extra.TokenInfo.UserID
-	}
-	return "local"
-}
+func principal(req *mcp.CallToolRequest) string { return principalOf(req.Extra) }
 
 // sessionName resolves the session a call runs in. A named session is the
 // principal's; the default one belongs to the connection: the MCP session
