@@ -414,7 +414,9 @@ func (s *Server) addResources() {
 // Workspace files are listed once a result linked them; the template
 // reaches any other.
 func (s *Server) listResources(extra *mcp.RequestExtra) *mcp.ListResourcesResult {
-	res := &mcp.ListResourcesResult{Resources: []*mcp.Resource{}}
+	// What one principal sees is theirs alone, and changes with every
+	// call: private, and stale at once.
+	res := &mcp.ListResourcesResult{Resources: []*mcp.Resource{}, Cacheable: private}
 	for _, it := range s.res.list(principalOf(extra)) {
 		res.Resources = append(res.Resources, &mcp.Resource{URI: it.uri, Name: it.name, MIMEType: it.mime, Size: it.size,
 			Description: fmt.Sprintf("%d bytes", it.size)})
@@ -451,8 +453,13 @@ func contents(uri, mime string, data []byte) *mcp.ReadResourceResult {
 			c.Blob = []byte{}
 		}
 	}
-	return &mcp.ReadResourceResult{Contents: []*mcp.ResourceContents{c}}
+	return &mcp.ReadResourceResult{Contents: []*mcp.ResourceContents{c}, Cacheable: private}
 }
+
+// private is the caching hint of what kiln serves a principal: for that
+// principal's client alone, stale at once (a workspace file changes with
+// the next call).
+var private = mcp.Cacheable{TTLMs: 0, CacheScope: "private"}
 
 // errResource is a resource kiln could not read, for the client.
 func errResource(uri string, err error) error {

@@ -122,7 +122,7 @@ func TestChartInlineBigImageLinked(t *testing.T) {
 			t.Errorf("read %d bytes (%s), link says %d", len(got), c.MIMEType, *l.Size)
 		}
 		list, err := cs.ListResources(context.Background(), nil)
-		if err != nil || len(list.Resources) != 1 || list.Resources[0].URI != l.URI {
+		if err != nil || len(list.Resources) != 1 || list.Resources[0].URI != l.URI || list.CacheScope != "private" {
 			t.Errorf("resources/list: %v %+v", err, list)
 		}
 		tmpls, err := cs.ListResourceTemplates(context.Background(), nil)
