@@ -123,6 +123,9 @@ func (s *Server) linkedFileResult(req *mcp.CallToolRequest, sess *session.Sessio
 	l := s.res.linkFile(principalOf(req.Extra), sess, p, mime, size)
 	var b strings.Builder
 	fmt.Fprintf(&b, "[session: %s] %s (%d bytes) is over the %d KiB shown inline; %s", sess.Name(), p, size, s.res.opts.InlineBytes>>10, summary("it", l))
+	if size > maxPart {
+		fmt.Fprintf(&b, ". A client that takes no message over 16 MiB can read it in parts of up to %d bytes: %s?offset=0&length=%d, then offset=%d, …", maxPart, l.URI, maxPart, maxPart)
+	}
 	if mime == "text/plain" || mime == "text/csv" || mime == "application/json" {
 		fmt.Fprintf(&b, "\nits first %d bytes:\n%s", len(head), strings.ToValidUTF8(string(head), "\uFFFD"))
 	}

@@ -477,8 +477,12 @@ func (e *resourceError) Unwrap() error { return e.err }
 func (s *Server) readFileResource(ctx context.Context, req *mcp.ReadResourceRequest) (*mcp.ReadResourceResult, error) {
 	uri := req.Params.URI
 	u, err := url.Parse(uri)
-	if err != nil || u.Scheme != "kiln" || u.User != nil || u.RawQuery != "" || u.Fragment != "" {
+	if err != nil || u.Scheme != "kiln" || u.User != nil || u.Fragment != "" {
 		return nil, mcp.ResourceNotFoundError(uri)
+	}
+	part, perr := parsePart(u.RawQuery)
+	if perr != nil {
+		return nil, errResource(uri, perr)
 	}
 	p, ok := strings.CutPrefix(u.Path, "/files/")
 	if !ok || p == "" || !session.ValidName(u.Host) {
@@ -488,8 +492,15 @@ func (s *Server) readFileResource(ctx context.Context, req *mcp.ReadResourceRequ
 	if !ok {
 		return nil, mcp.ResourceNotFoundError(uri)
 	}
-	var data []byte
+	var (
+		data []byte
+		size int64
+	)
 	err = sess.WithLiveBox(ctx, func(box sandbox.Sandbox) (err error) {
+		if part != nil {
+			data, size, err = readPart(ctx, box, p, part.off, part.n)
+			return err
+		}
 		data, err = s.readWhole(ctx, box, p)
 		return err
 	})
@@ -501,7 +512,70 @@ func (s *Server) readFileResource(ctx context.Context, req *mcp.ReadResourceRequ
 		// about the caller's own session.
 		return nil, errResource(uri, err)
 	}
+	if part != nil {
+		// A part is bytes, whatever the file: a cut may split a character.
+		c := &mcp.ResourceContents{URI: uri, MIMEType: "application/octet-stream", Blob: data,
+			Meta: mcp.Meta{"kiln/offset": part.off, "kiln/size": size}}
+		if c.Blob == nil {
+			c.Blob = []byte{}
+		}
+		return &mcp.ReadResourceResult{Contents: []*mcp.ResourceContents{c}, Cacheable: private}, nil
+	}
 	return contents(uri, mimeOf(p, data), data), nil
+}
+
+// maxPart is the most one part of a file read carries: 8 MiB is about
+// 11 MiB of base64, under the 16 MiB a message that the Go SDK's clients
+// take by default.
+const maxPart = 8 << 20
+
+type filePart struct{ off, n int64 }
+
+// parsePart reads "offset=N&length=M" (length at most maxPart, default
+// maxPart); an empty query is the whole file (nil).
+func parsePart(query string) (*filePart, error) {
+	if query == "" {
+		return nil, nil
+	}
+	q, err := url.ParseQuery(query)
+	if err != nil {
+		return nil, fmt.Errorf("query: %v", err)
+	}
+	part := &filePart{n: maxPart}
+	for k, v := range q {
+		if len(v) != 1 {
+			return nil, fmt.Errorf("query: %q given %d times", k, len(v))
+		}
+		n, err := strconv.ParseInt(v[0], 10, 64)
+		if err != nil || n < 0 {
+			return nil, fmt.Errorf("query: %s=%q is not a byte count", k, v[0])
+		}
+		switch k {
+		case "offset":
+			part.off = n
+		case "length":
+			if n == 0 || n > maxPart {
+				return nil, fmt.Errorf("query: length must be 1 to %d", maxPart)
+			}
+			part.n = n
+		default:
+			return nil, fmt.Errorf("query: unknown parameter %q (offset and length are known)", k)
+		}
+	}
+	return part, nil
+}
+
+// readPart reads at most n bytes of a workspace file from off, and the
+// file's size.
+func readPart(ctx context.Context, box sandbox.Sandbox, p string, off, n int64) ([]byte, int64, error) {
+	if off == 0 {
+		return box.ReadFile(ctx, p, n)
+	}
+	rr, ok := box.(sandbox.RangeReader)
+	if !ok {
+		return nil, 0, sandbox.ErrNoRangedRead
+	}
+	return rr.ReadFileAt(ctx, p, off, n)
 }
 
 // readWhole reads a workspace file of up to maxResourceRead bytes, in

@@ -174,7 +174,8 @@ print(hashlib.sha256(data).hexdigest())
 // box: one is at most agentproto.MaxRead).
 func TestBigFileReadExact(t *testing.T) {
 	onBackends(t, func(t *testing.T, b sandbox.Backend) {
-		cs := dialBig(t, serveRes(t, b, session.ModeSession, 2000, mcpserver.ResourceOptions{}))
+		srv := serveRes(t, b, session.ModeSession, 2000, mcpserver.ResourceOptions{})
+		cs := dialBig(t, srv)
 		res := call(t, cs, "run_python", map[string]any{"code": bigFileCode, "session": "big"})
 		sum := strings.TrimSpace(strings.TrimPrefix(text(res), "[session: big, new sandbox]"))
 		if res.IsError || len(sum) != 64 {
@@ -196,7 +197,23 @@ func TestBigFileReadExact(t *testing.T) {
 		if len(c.Blob) != 20<<20 || hex.EncodeToString(got[:]) != sum {
 			t.Errorf("read %d bytes with sha256 %x, want %d bytes with %s", len(c.Blob), got, 20<<20, sum)
 		}
-		for _, bad := range []string{"kiln://big/files/../etc/passwd", "kiln://big/files/nope", "kiln://other/files/big.bin", "kiln://big/files/%2e%2e/%2e%2e/etc/passwd"} {
+		// A client that takes no message over 16 MiB reads it in parts.
+		small := dial(t, srv)
+		h := sha256.New()
+		for off := 0; off < 20<<20; off += 8 << 20 {
+			c, err := readRes(t, small, fmt.Sprintf("%s?offset=%d&length=%d", ls[0].URI, off, 8<<20))
+			if err != nil {
+				t.Fatalf("part at %d: %v", off, err)
+			}
+			if want := min(8<<20, 20<<20-off); len(c.Blob) != want || c.Meta["kiln/size"] != float64(20<<20) {
+				t.Fatalf("part at %d: %d bytes, want %d; meta %v", off, len(c.Blob), want, c.Meta)
+			}
+			h.Write(c.Blob)
+		}
+		if got := hex.EncodeToString(h.Sum(nil)); got != sum {
+			t.Errorf("the parts have sha256 %s, want %s", got, sum)
+		}
+		for _, bad := range []string{ls[0].URI + "?length=" + fmt.Sprint(9<<20), ls[0].URI + "?offset=-1", ls[0].URI + "?evil=1", "kiln://big/files/../etc/passwd", "kiln://big/files/nope", "kiln://other/files/big.bin", "kiln://big/files/%2e%2e/%2e%2e/etc/passwd"} {
 			if c, err := readRes(t, cs, bad); err == nil {
 				t.Errorf("%s: read %d bytes", bad, len(body(c)))
 			}
