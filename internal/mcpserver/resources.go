@@ -498,6 +498,10 @@ func (s *Server) readFileResource(ctx context.Context, req *mcp.ReadResourceRequ
 	)
 	err = sess.WithLiveBox(ctx, func(box sandbox.Sandbox) (err error) {
 		if part != nil {
+			if err := s.res.reads.Acquire(ctx, part.n); err != nil {
+				return err
+			}
+			defer s.res.reads.Release(part.n)
 			data, size, err = readPart(ctx, box, p, part.off, part.n)
 			return err
 		}
