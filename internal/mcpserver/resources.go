@@ -94,6 +94,9 @@ const (
 	// maxResourceItems bounds the entries the store holds, whatever
 	// their size (a file link holds no bytes).
 	maxResourceItems = 4096
+	// maxItemsPerPrincipal bounds those of one principal, so that one
+	// reading many files does not push out what others hold.
+	maxItemsPerPrincipal = 512
 	perCallHost      = "per-call"
 )
 
@@ -135,13 +138,14 @@ type resStore struct {
 	items map[string]*resItem // by URI
 	order []*resItem          // oldest first; may hold removed items
 	used  map[string]int64    // held bytes per principal
+	count map[string]int      // items per principal
 	total int64               // held bytes in all
 	reads *semaphore.Weighted // readBudget
 }
 
 func newResStore(mgr *session.Manager, opts ResourceOptions) *resStore {
 	opts.defaults()
-	return &resStore{opts: opts, mgr: mgr, now: time.Now, items: map[string]*resItem{}, used: map[string]int64{},
+	return &resStore{opts: opts, mgr: mgr, now: time.Now, items: map[string]*resItem{}, used: map[string]int64{}, count: map[string]int{},
 		reads: semaphore.NewWeighted(readBudget)}
 }
 
@@ -190,6 +194,9 @@ func (st *resStore) dropLocked(it *resItem) {
 		return
 	}
 	delete(st.items, it.uri)
+	if st.count[it.principal]--; st.count[it.principal] <= 0 {
+		delete(st.count, it.principal)
+	}
 	if it.held {
 		st.used[it.principal] -= int64(len(it.data))
 		if st.used[it.principal] == 0 {
@@ -215,7 +222,7 @@ func (st *resStore) put(it *resItem) bool {
 		st.dropLocked(old)
 	}
 	for _, it2 := range st.order {
-		if !it.held || st.used[it.principal]+n <= st.opts.MaxBytesPerPrincipal {
+		if (!it.held || st.used[it.principal]+n <= st.opts.MaxBytesPerPrincipal) && st.count[it.principal] < maxItemsPerPrincipal {
 			break
 		}
 		if it2.principal == it.principal {
@@ -230,6 +237,7 @@ func (st *resStore) put(it *resItem) bool {
 	}
 	st.items[it.uri] = it
 	st.order = append(st.order, it)
+	st.count[it.principal]++
 	if it.held {
 		st.used[it.principal] += n
 		st.total += n

@@ -2,6 +2,7 @@ package mcpserver
 
 import (
 	"bytes"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -103,5 +104,26 @@ func TestRenderWithoutLinksCuts(t *testing.T) {
 	}
 	if got := res.StructuredContent.(map[string]any)["stdout"].(string); len(got) != 10 {
 		t.Errorf("structuredContent stdout of %d bytes", len(got))
+	}
+}
+
+// TestResStoreItemsPerPrincipal: one principal linking many files drops
+// its own oldest links, not what another holds.
+func TestResStoreItemsPerPrincipal(t *testing.T) {
+	mgr := session.NewManager(session.Options{Mode: session.ModePerCall})
+	defer mgr.Close()
+	st := newResStore(mgr, ResourceOptions{})
+	st.put(&resItem{uri: "kiln://per-call/calls/1/stdout", principal: "b", name: "stdout", data: []byte("b's"), held: true})
+	for i := range maxItemsPerPrincipal + 100 {
+		st.put(&resItem{uri: fmt.Sprintf("kiln://per-call/calls/2/files/%d", i), principal: "a", name: fmt.Sprint(i)})
+	}
+	if got := len(st.list("a")); got != maxItemsPerPrincipal {
+		t.Errorf("a holds %d items, want %d", got, maxItemsPerPrincipal)
+	}
+	if st.get("b", "kiln://per-call/calls/1/stdout") == nil {
+		t.Error("a's links pushed out b's output")
+	}
+	if got := st.list("a")[0].name; got != fmt.Sprint(maxItemsPerPrincipal+99) {
+		t.Errorf("a's newest item is %s", got)
 	}
 }
