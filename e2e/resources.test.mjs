@@ -73,6 +73,11 @@ describe('results as resources', { skip }, () => {
     assert.equal(createHash('sha256').update(data).digest('hex'), sum);
     big.uri = link.uri;
 
+    // A client that takes no message over 16 MiB reads it in parts.
+    const part = await read(alice.client, `${link.uri}?offset=${(20 << 20) - 1000}&length=${8 << 20}`);
+    assert.deepEqual(Buffer.from(part.contents[0].blob, 'base64'), data.subarray(data.length - 1000));
+    assert.equal(part.contents[0]._meta?.['kiln/size'], 20 << 20);
+
     const { resources } = await alice.client.listResources();
     assert.ok(resources.some((r) => r.uri === link.uri), `resources/list lacks ${link.uri}`);
     const { resourceTemplates } = await alice.client.listResourceTemplates();
