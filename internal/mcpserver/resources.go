@@ -97,7 +97,7 @@ const (
 	// maxItemsPerPrincipal bounds those of one principal, so that one
 	// reading many files does not push out what others hold.
 	maxItemsPerPrincipal = 512
-	perCallHost      = "per-call"
+	perCallHost          = "per-call"
 )
 
 func (o *ResourceOptions) defaults() {
