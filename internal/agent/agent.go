@@ -171,7 +171,9 @@ func (a *Agent) handle(req *agentproto.Request) *agentproto.Response {
 	case agentproto.OpWrite:
 		err = a.writeFile(req.Path, req.Data)
 	case agentproto.OpRead:
-		resp.Data, resp.Size, err = a.readFile(req.Path, req.MaxBytes)
+		if resp.Data, resp.Size, err = a.readFile(req.Path, req.Offset, req.MaxBytes); err == nil {
+			resp.Offset = req.Offset
+		}
 	case agentproto.OpList:
 		resp.Files, err = a.listFiles(req.Path)
 	case agentproto.OpChanges:

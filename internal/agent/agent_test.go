@@ -99,6 +99,18 @@ func TestFiles(t *testing.T) {
 	if r := call(agentproto.Request{Op: agentproto.OpRead, Path: ws + "/a/b/c.txt"}); string(r.Data) != "hello" || r.Size != 5 {
 		t.Errorf("read back: %+v", r)
 	}
+	for _, c := range []struct {
+		off, max int64
+		want     string
+	}{{1, 3, "ell"}, {3, 0, "lo"}, {5, 0, ""}, {9, 2, ""}} {
+		r := call(agentproto.Request{Op: agentproto.OpRead, Path: "a/b/c.txt", Offset: c.off, MaxBytes: c.max})
+		if r.Error != "" || string(r.Data) != c.want || r.Size != 5 || r.Offset != c.off {
+			t.Errorf("read from %d, at most %d: %+v, want %q", c.off, c.max, r, c.want)
+		}
+	}
+	if r := call(agentproto.Request{Op: agentproto.OpRead, Path: "a/b/c.txt", Offset: -1}); r.Error == "" {
+		t.Errorf("a negative offset was read: %+v", r)
+	}
 	os.Symlink("/etc/passwd", ws+"/evil")
 	os.Symlink("/etc", ws+"/evildir")
 	for _, p := range []string{"/etc/passwd", "../x", "evil", "evildir/passwd", "a/../../x", "x\x00y", strings.Repeat("a", 5000)} {

@@ -161,9 +161,9 @@ func (a *Agent) writeFile(p string, data []byte) error {
 	return a.asCode(func() error { return a.writeFileAsCode(p, data) })
 }
 
-func (a *Agent) readFile(p string, max int64) (data []byte, size int64, err error) {
+func (a *Agent) readFile(p string, off, max int64) (data []byte, size int64, err error) {
 	err = a.asCode(func() error {
-		data, size, err = a.readFileAsCode(p, max)
+		data, size, err = a.readFileAsCode(p, off, max)
 		return err
 	})
 	return data, size, err
@@ -228,7 +228,12 @@ func writeRegular(root *os.Root, rel string, data []byte) error {
 	return f.Close()
 }
 
-func (a *Agent) readFileAsCode(p string, max int64) ([]byte, int64, error) {
+// readFileAsCode reads at most limit bytes of p from offset off (limit 0
+// or less: to the end), within maxReadBytes, and returns the file's size.
+func (a *Agent) readFileAsCode(p string, off, limit int64) ([]byte, int64, error) {
+	if off < 0 {
+		return nil, 0, fmt.Errorf("offset %d is negative", off)
+	}
 	root, rel, err := a.open(p)
 	if err != nil {
 		return nil, 0, err
@@ -249,11 +254,12 @@ func (a *Agent) readFileAsCode(p string, max int64) ([]byte, int64, error) {
 	if !st.Mode().IsRegular() {
 		return nil, 0, fmt.Errorf("%s: not a regular file", p)
 	}
-	if max <= 0 || max > st.Size() {
-		max = st.Size()
+	left := max(st.Size()-off, 0)
+	if limit <= 0 || limit > left {
+		limit = left
 	}
-	max = min(max, maxReadBytes)
-	data, err := io.ReadAll(io.LimitReader(f, max))
+	limit = min(limit, maxReadBytes)
+	data, err := io.ReadAll(io.NewSectionReader(f, off, limit))
 	if err != nil {
 		return nil, 0, pathErr(p, err)
 	}

@@ -48,6 +48,7 @@ type Request struct {
 	Data      []byte `json:"data,omitempty"`       // OpWrite content
 	MaxOutput int    `json:"max_output,omitempty"` // cap per stream, in bytes
 	MaxBytes  int64  `json:"max_bytes,omitempty"`  // OpRead cap
+	Offset    int64  `json:"offset,omitempty"`     // OpRead: the first byte to read
 	Since     int64  `json:"since,omitempty"`      // OpChanges: unix nanoseconds
 	// Live asks the agent to send Output frames while an OpPython or
 	// OpShell request runs.
@@ -61,7 +62,11 @@ type Response struct {
 	Exec  *ExecResult `json:"exec,omitempty"`
 	Data  []byte      `json:"data,omitempty"`
 	Size  int64       `json:"size,omitempty"` // OpRead: the file's full size
-	Files []FileInfo  `json:"files,omitempty"`
+	// Offset is where an OpRead answer's Data starts in the file: the
+	// request's Offset, echoed so that the host can tell an agent that
+	// does not know ranged reads (and answered from 0) from one that does.
+	Offset int64      `json:"offset,omitempty"`
+	Files  []FileInfo `json:"files,omitempty"`
 	// Output, when set, makes this frame a progress report of the running
 	// request ID rather than its answer: the request stays pending.
 	Output *Output `json:"output,omitempty"`

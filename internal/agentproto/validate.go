@@ -110,7 +110,7 @@ func (r *Response) Check(req *Request) error {
 	switch {
 	case r.Exec != nil && !exec:
 		return faultf("%s response carries an exec result", req.Op)
-	case len(r.Data) > 0 && !read, r.Size != 0 && !read:
+	case len(r.Data) > 0 && !read, r.Size != 0 && !read, r.Offset != 0 && !read:
 		return faultf("%s response carries file data", req.Op)
 	case len(r.Files) > 0 && !list:
 		return faultf("%s response carries a file list", req.Op)
@@ -128,8 +128,11 @@ func (r *Response) Check(req *Request) error {
 		if r.Size < 0 {
 			return faultf("read response: size %d", r.Size)
 		}
-		if int64(len(r.Data)) > r.Size {
-			return faultf("read response: %d bytes of data for a file of size %d", len(r.Data), r.Size)
+		if r.Offset < 0 {
+			return faultf("read response: offset %d", r.Offset)
+		}
+		if int64(len(r.Data)) > r.Size-min(r.Offset, r.Size) {
+			return faultf("read response: %d bytes of data at offset %d for a file of size %d", len(r.Data), r.Offset, r.Size)
 		}
 		if req.MaxBytes > 0 && int64(len(r.Data)) > req.MaxBytes {
 			return faultf("read response: %d bytes, %d asked", len(r.Data), req.MaxBytes)

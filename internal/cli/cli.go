@@ -105,6 +105,7 @@ type common struct {
 	poolWorkers int
 	idleTTL     time.Duration
 	bounds      bounds
+	resources   resourceFlags
 	preload     string
 	allowNet    string
 	egressHosts string
@@ -124,11 +125,12 @@ func (c *common) register(fs *flag.FlagSet) {
 	fs.Int64Var(&c.diskMiB, "disk", sandbox.DefaultLimits.WorkspaceBytes>>20, "workspace size per sandbox, MiB")
 	fs.IntVar(&c.pids, "pids", sandbox.DefaultLimits.Pids, "process limit per sandbox")
 	fs.Float64Var(&c.cpus, "cpus", sandbox.DefaultLimits.CPUs, "CPU limit per sandbox, cores")
-	fs.IntVar(&c.maxOutput, "max-output", agentproto.DefaultMaxOutput, "bytes of stdout and of stderr kept per call (head and tail)")
+	fs.IntVar(&c.maxOutput, "max-output", agentproto.DefaultMaxOutput, "bytes of stdout and of stderr a result shows per call (head and tail); see --keep-output")
 	fs.IntVar(&c.poolSize, "pool", 1, "sandboxes kept ready ahead of demand")
 	fs.IntVar(&c.poolWorkers, "pool-workers", 1, "sandboxes prepared at once when refilling the pool")
 	fs.DurationVar(&c.idleTTL, "idle-ttl", session.DefaultIdleTTL, "destroy a session's sandbox after this long unused")
 	c.bounds.register(fs)
+	c.resources.register(fs)
 	fs.StringVar(&c.preload, "preload", "numpy,pandas,matplotlib", "Python modules imported before the first call (skipped when missing)")
 	fs.StringVar(&c.allowNet, "allow-net", "", "hosts sandboxes may reach over HTTP(S), comma-separated: host, *.domain, host:port (default: none, loopback only)")
 	fs.StringVar(&c.egressHosts, "egress-hosts", "", "hosts file (/etc/hosts format) the egress gateway resolves names with before DNS")
@@ -198,6 +200,9 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 	if mode != session.ModeSession && mode != session.ModePerCall {
 		return nil, fmt.Errorf("--mode must be session or per-call, not %q", c.mode)
 	}
+	if err := c.resources.check(c.maxOutput); err != nil {
+		return nil, err
+	}
 	obs, err := c.obs.open(c.backend, log)
 	if err != nil {
 		return nil, err
@@ -224,7 +229,7 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		DefaultTimeout: c.timeout,
 		MaxTimeout:     c.maxTimeout,
 		IdleTTL:        c.idleTTL,
-		MaxOutput:      c.maxOutput,
+		MaxOutput:      c.resources.kept(c.maxOutput),
 		PoolSize:       c.poolSize,
 		PoolWorkers:    c.poolWorkers,
 		Logger:         log,
@@ -254,7 +259,8 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 			netDesc += " Only for clients whose token holds the scope " + c.netScope + "; for others the network is cut."
 		}
 	}
-	srv := mcpserver.New(mcpserver.Options{Manager: mgr, Runtime: rt, Backend: b.Name(), Network: netDesc, Logger: log, NetScope: c.netScope})
+	srv := mcpserver.New(mcpserver.Options{Manager: mgr, Runtime: rt, Backend: b.Name(), Network: netDesc, Logger: log,
+		NetScope: c.netScope, Resources: c.resources.options(c.maxOutput)})
 	st := &stack{net: net, backend: b, mgr: mgr, srv: srv, obs: obs}
 	if err := obs.serve(c.obs.metricsAddr, mgr); err != nil {
 		st.close()

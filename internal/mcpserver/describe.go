@@ -27,7 +27,8 @@ func (s *Server) facts() string {
 	fmt.Fprintf(&b, "Time limit %gs per call by default (timeout_s may raise it to %gs); at the limit the code is interrupted, and if it does not stop the sandbox is destroyed. ",
 		o.DefaultTimeout.Seconds(), o.MaxTimeout.Seconds())
 	fmt.Fprintf(&b, "Limits: %d MiB memory, %d MiB workspace, %d processes. Output over %d characters per stream is cut in the middle. ",
-		o.Limits.MemoryBytes>>20, o.Limits.WorkspaceBytes>>20, o.Limits.Pids, o.MaxOutput)
+		o.Limits.MemoryBytes>>20, o.Limits.WorkspaceBytes>>20, o.Limits.Pids, s.shownOutput())
+	b.WriteString(s.describeResources())
 	if s.perCall() {
 		fmt.Fprintf(&b, "At most %d sandboxes run at once; when all are in use a call waits up to %gs, then returns a \"busy\" error: retry it later. ",
 			o.MaxBoxes, o.BoxWait.Seconds())

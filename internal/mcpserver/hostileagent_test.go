@@ -94,7 +94,8 @@ var hostileCases = map[string]hostileCase{
 		return rawFrame(`{"id":` + jsonInt(req.ID) + `,"exec":{"stdout":{"text":"","total":0},"stderr":{"text":"","total":0},"displays":[` + strings.Repeat("{},", 2_000_000) + `{}]}}`)
 	}},
 	"huge-error": {answer: func(req agentproto.Request, _ uint64) []byte {
-		return frame(&agentproto.Response{ID: req.ID, Error: strings.Repeat("e", 4<<20)})
+		// Over MaxMessage, within the longest answer to the request.
+		return frame(&agentproto.Response{ID: req.ID, Error: strings.Repeat("e", req.MaxAnswer()/2)})
 	}},
 	"huge-traceback": {answer: func(req agentproto.Request, _ uint64) []byte {
 		return execFrame(req.ID, agentproto.ExecResult{Error: &agentproto.ExecError{Name: "ValueError", Value: strings.Repeat("v", 1<<20), Traceback: strings.Repeat("t", 1<<20)}})

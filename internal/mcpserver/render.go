@@ -65,11 +65,22 @@ var richTypes = []string{"text/html", "text/markdown", "image/svg+xml", "text/la
 // with the same facts and the rich representations. No outputSchema is
 // advertised, so clients keep the image blocks.
 func (s *Server) render(out *session.Outcome, produced []session.Produced) *mcp.CallToolResult {
+	return s.renderWith(nil, out, produced)
+}
+
+// renderWith renders with link filing what is too big to inline as
+// resources (nil: images and files inline; output over what a result
+// shows is cut all the same, with no URI for the rest).
+func (s *Server) renderWith(link *callLinks, out *session.Outcome, produced []session.Produced) *mcp.CallToolResult {
 	res := out.ExecResult
 	if res == nil {
 		res = &agentproto.ExecResult{}
 	}
-	r := &rendering{cut: richCut{left: maxResultRich}}
+	r := &rendering{cut: richCut{left: maxResultRich}, link: link}
+	if s.res != nil {
+		r.inline, r.inlineOutput = s.res.opts.InlineBytes, s.res.opts.InlineOutput
+	}
+	res, outURI, errURI := r.streams(res)
 	if out.Session != "" {
 		fmt.Fprintf(&r.text, "[session: %s", out.Session)
 		if out.Fresh {
@@ -77,8 +88,8 @@ func (s *Server) render(out *session.Outcome, produced []session.Produced) *mcp.
 		}
 		r.text.WriteString("]\n")
 	}
-	writeStream(&r.text, "", res.Stdout)
-	writeStream(&r.text, "stderr:\n", res.Stderr)
+	writeStreamAt(&r.text, "", res.Stdout, outURI)
+	writeStreamAt(&r.text, "stderr:\n", res.Stderr, errURI)
 
 	var displays []map[string]string
 	for _, d := range res.Displays {
@@ -101,9 +112,13 @@ func (s *Server) render(out *session.Outcome, produced []session.Produced) *mcp.
 	for _, n := range r.notes {
 		fmt.Fprintf(&r.text, "[kiln: %s]\n", n)
 	}
+	sc := structured(out, res, result, displays, files, r.notes)
+	if len(r.resources) > 0 {
+		sc["resources"] = r.resources
+	}
 	return &mcp.CallToolResult{
 		Content:           append([]mcp.Content{&mcp.TextContent{Text: strings.TrimRight(r.text.String(), "\n")}}, r.images...),
-		StructuredContent: structured(out, res, result, displays, files, r.notes),
+		StructuredContent: sc,
 		IsError:           res.Error != nil || res.ExitCode != 0 || res.Signal != "" || out.TimedOut,
 	}
 }
@@ -116,10 +131,20 @@ type rendering struct {
 	images []mcp.Content
 	notes  []string
 	cut    richCut
+
+	// link files what is too big to inline (nil: nothing is filed):
+	// images and files over inline bytes, streams over inlineOutput.
+	link                 *callLinks
+	inline, inlineOutput int
+	nImages              int
+	resources            []map[string]any // structuredContent entries of the links
 }
 
 // addImage adds an image block, or a note saying why it was dropped.
 func (r *rendering) addImage(mime, b64 string) {
+	if r.linkImage(mime, b64) {
+		return
+	}
 	if !r.cut.take(len(b64)) {
 		return
 	}
@@ -163,6 +188,11 @@ func (r *rendering) files(produced []session.Produced) []map[string]any {
 	var files []map[string]any
 	for _, p := range produced {
 		f := map[string]any{"path": p.Path, "size": p.Size}
+		if l, ok := r.linkFile(p); ok {
+			f["uri"] = l.URI
+			files = append(files, f)
+			continue
+		}
 		switch mime := imageMIME(p.Path, p.Data); {
 		case mime != "":
 			r.addImage(mime, base64.StdEncoding.EncodeToString(p.Data))
@@ -278,10 +308,12 @@ func firstLine(s, fallback string) string {
 	return line
 }
 
-// writeStream writes captured output, marking where the agent cut it.
+// writeStreamAt writes captured output, marking where it was cut.
 // AgentConn has validated the stream; a cut out of range is still ignored
 // here rather than trusted.
-func writeStream(b *strings.Builder, label string, st agentproto.Stream) {
+// The truncation note names the URI that holds what the result does not
+// show (uri "": none).
+func writeStreamAt(b *strings.Builder, label string, st agentproto.Stream, uri string) {
 	if st.Total == 0 {
 		return
 	}
@@ -289,7 +321,11 @@ func writeStream(b *strings.Builder, label string, st agentproto.Stream) {
 	t := strings.ToValidUTF8(st.Text, "\uFFFD")
 	if dropped := st.Truncated(); dropped > 0 && st.Cut >= 0 && st.Cut <= len(st.Text) {
 		head, tail := strings.ToValidUTF8(st.Text[:st.Cut], "\uFFFD"), strings.ToValidUTF8(st.Text[st.Cut:], "\uFFFD")
-		t = head + fmt.Sprintf("\n[… truncated %d of %d bytes …]\n", dropped, st.Total) + tail
+		where := ""
+		if uri != "" {
+			where = "; read the rest at " + uri
+		}
+		t = head + fmt.Sprintf("\n[… truncated %d of %d bytes%s …]\n", dropped, st.Total, where) + tail
 	}
 	b.WriteString(t)
 	if !strings.HasSuffix(t, "\n") {

@@ -36,6 +36,8 @@ type Options struct {
 	// NetScope, when set, is the OAuth scope a client's token must hold
 	// for its calls to run in boxes with network (see netscope.go).
 	NetScope string
+	// Resources configures what comes back as kiln:// resource links.
+	Resources ResourceOptions
 }
 
 // Server is kiln's MCP server.
@@ -44,6 +46,7 @@ type Server struct {
 	opts Options
 	log  *slog.Logger
 	mcp  *mcp.Server
+	res  *resStore // results as resources (resources.go)
 }
 
 // New builds the MCP server with its tools.
@@ -57,7 +60,9 @@ func New(opts Options) *Server {
 		Logger:       opts.Logger,
 	})
 	s.mcp.AddReceivingMiddleware(undeclared)
+	s.res = newResStore(opts.Manager, opts.Resources)
 	s.addTools()
+	s.addResources()
 	return s
 }
 
@@ -178,12 +183,7 @@ const workspace = boxplan.Workspace
 
 // principal identifies the caller: the token's user over HTTP, "local"
 // over stdio.
-func principal(req *mcp.CallToolRequest) string {
-	if req.Extra != nil && req.Extra.TokenInfo != nil && req.Extra.TokenInfo.UserID != "" {
-		return req.Extra.TokenInfo.UserID
-	}
-	return "local"
-}
+func principal(req *mcp.CallToolRequest) string { return principalOf(req.Extra) }
 
 // sessionName resolves the session a call runs in. A named session is the
 // principal's; the default one belongs to the connection: the MCP session
@@ -262,7 +262,7 @@ func (s *Server) run(ctx context.Context, req *mcp.CallToolRequest, lang session
 			return s.failure(log, err), nil, nil
 		}
 		log.Info("call", "duration", out.Duration, "error", out.Error != nil, "timed_out", out.TimedOut)
-		return s.render(out, produced), nil, nil
+		return s.renderCall(req, out, produced), nil, nil
 	}
 	if len(files) > 0 {
 		return toolError("\"files\" is for per-call mode; in a session, use write_file"), nil, nil
@@ -281,7 +281,7 @@ func (s *Server) run(ctx context.Context, req *mcp.CallToolRequest, lang session
 		return s.failure(log, err), nil, nil
 	}
 	log.Info("call", "session", out.Session, "duration", out.Duration, "error", out.Error != nil, "timed_out", out.TimedOut, "restarted", out.Restarted)
-	return s.render(out, nil), nil, nil
+	return s.renderCall(req, out, nil), nil, nil
 }
 
 // failure turns an error of kiln's into a result the model can read; the
@@ -342,8 +342,6 @@ func (s *Server) writeFile(ctx context.Context, req *mcp.CallToolRequest, args W
 	return textResult(fmt.Sprintf("[session: %s] wrote %d bytes to %s", sess.Name(), len(data), args.Path)), nil, nil
 }
 
-const maxReadBytes = 8 << 20
-
 func (s *Server) readFile(ctx context.Context, req *mcp.CallToolRequest, args ReadFileArgs) (*mcp.CallToolResult, any, error) {
 	sess, err := s.session(req, args.Session)
 	if err != nil {
@@ -354,11 +352,14 @@ func (s *Server) readFile(ctx context.Context, req *mcp.CallToolRequest, args Re
 		size int64
 	)
 	err = sess.WithBox(ctx, func(box sandbox.Sandbox) (err error) {
-		data, size, err = box.ReadFile(ctx, args.Path, maxReadBytes)
+		data, size, err = box.ReadFile(ctx, args.Path, int64(s.res.opts.InlineBytes))
 		return err
 	})
 	if err != nil {
 		return s.failure(s.log, err), nil, nil
+	}
+	if size > int64(len(data)) {
+		return s.linkedFileResult(req, sess, args.Path, data, size), nil, nil
 	}
 	header := fmt.Sprintf("[session: %s] %s (%d bytes)", sess.Name(), args.Path, size)
 	if int64(len(data)) < size {

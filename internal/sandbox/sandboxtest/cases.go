@@ -2,6 +2,7 @@ package sandboxtest
 
 import (
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -226,6 +227,42 @@ print("\n".join(out))`, port)
 		files, err := box.ListFiles(ctx, "")
 		if err != nil || len(files) == 0 {
 			t.Errorf("list: %v %v", files, err)
+		}
+	}},
+	{"files read from an offset, in pieces", func(t *testing.T, s *suite) {
+		box := s.box(t)
+		rr, ok := box.(sandbox.RangeReader)
+		if !ok {
+			t.Skip("this backend's boxes offer no ranged reads (sandbox.RangeReader)")
+		}
+		ctx := s.ctx(t, 60*time.Second)
+		// Over agentproto.MaxRead: one read cannot carry it.
+		const size = agentproto.MaxRead + 3<<20
+		r := sh(t, s, box, fmt.Sprintf("head -c %d /dev/urandom > big.bin && sha256sum big.bin && ln -s /etc/passwd link", size))
+		want, _, _ := strings.Cut(r.Stdout.Text, " ")
+		if len(want) != 64 {
+			t.Fatalf("sha256sum: %q", r.out)
+		}
+		h := sha256.New()
+		var n int64
+		for n < size {
+			data, total, err := rr.ReadFileAt(ctx, "big.bin", n, 5<<20)
+			if err != nil || total != size || len(data) == 0 {
+				t.Fatalf("read at %d: %d bytes of %d, %v", n, len(data), total, err)
+			}
+			h.Write(data)
+			n += int64(len(data))
+		}
+		if got := hex.EncodeToString(h.Sum(nil)); n != size || got != want {
+			t.Errorf("read %d bytes with sha256 %s, want %d with %s", n, got, size, want)
+		}
+		if data, total, err := rr.ReadFileAt(ctx, "big.bin", size+10, 0); err != nil || len(data) != 0 || total != size {
+			t.Errorf("read past the end: %d bytes, size %d, %v", len(data), total, err)
+		}
+		for _, p := range []string{"link", "/etc/passwd", "../etc/passwd"} {
+			if data, _, err := rr.ReadFileAt(ctx, p, 1, 0); err == nil {
+				t.Errorf("ranged read of %q escaped: %.40q", p, data)
+			}
 		}
 	}},
 	{"figures come back as PNG", func(t *testing.T, s *suite) {
