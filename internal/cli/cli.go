@@ -100,6 +100,7 @@ type common struct {
 	poolWorkers int
 	idleTTL     time.Duration
 	bounds      bounds
+	jobs        jobFlags
 	preload     string
 	allowNet    string
 	egressHosts string
@@ -122,6 +123,7 @@ func (c *common) register(fs *flag.FlagSet) {
 	fs.IntVar(&c.poolWorkers, "pool-workers", 1, "sandboxes prepared at once when refilling the pool")
 	fs.DurationVar(&c.idleTTL, "idle-ttl", session.DefaultIdleTTL, "destroy a session's sandbox after this long unused")
 	c.bounds.register(fs)
+	c.jobs.register(fs)
 	fs.StringVar(&c.preload, "preload", "numpy,pandas,matplotlib", "Python modules imported before the first call (skipped when missing)")
 	fs.StringVar(&c.allowNet, "allow-net", "", "hosts sandboxes may reach over HTTP(S), comma-separated: host, *.domain, host:port (default: none, loopback only)")
 	fs.StringVar(&c.egressHosts, "egress-hosts", "", "hosts file (/etc/hosts format) the egress gateway resolves names with before DNS")
@@ -213,6 +215,7 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		MaxOutput:      c.maxOutput,
 		PoolSize:       c.poolSize,
 		PoolWorkers:    c.poolWorkers,
+		Jobs:           c.jobs.options(),
 		Logger:         log,
 	}))
 	if w, ok := b.(sandbox.Warmer); ok {

@@ -54,6 +54,8 @@ type Options struct {
 	PoolSize    int
 	PoolWorkers int
 	Logger      *slog.Logger
+	// Jobs bounds background jobs (jobs.go).
+	Jobs JobOptions
 }
 
 // Defaults of Options; kiln's flags default to them too.
@@ -104,6 +106,7 @@ func (o *Options) defaults() {
 	if o.MaxBoxes == 0 {
 		o.MaxBoxes = DefaultMaxBoxes(o.Limits)
 	}
+	o.Jobs.defaults()
 }
 
 // Errors a client can act on.
@@ -172,6 +175,7 @@ type Manager struct {
 	wg       sync.WaitGroup
 	// destroying counts per-call boxes being destroyed after their call.
 	destroying sync.WaitGroup
+	jobs       jobTable // background jobs (jobs.go)
 }
 
 // NewManager starts the pool and the idle reaper.
@@ -188,6 +192,7 @@ func NewManager(opts Options) *Manager {
 	m.slots = newSlots(opts.MaxBoxes)
 	m.pool = newPool(opts.Backend, spec, PoolOptions{Size: opts.PoolSize, Concurrency: opts.PoolWorkers, Logger: opts.Logger}, m.slots)
 	m.warnOvercommit()
+	m.jobs.init()
 	m.wg.Add(1)
 	go m.reap()
 	return m
@@ -325,6 +330,7 @@ func (m *Manager) Close() {
 		go func() { defer m.destroying.Done(); box.Close() }()
 	}
 	m.mu.Unlock()
+	m.jobs.cancelAll() // jobs end as their boxes are destroyed below
 	close(m.stop)
 	m.wg.Wait()
 	var wg sync.WaitGroup
@@ -335,6 +341,7 @@ func (m *Manager) Close() {
 	wg.Wait()
 	m.pool.Close()
 	m.destroying.Wait()
+	m.jobs.wait()
 }
 
 // Outcome is what one call produced, with what kiln did about it.
@@ -376,6 +383,9 @@ type Session struct {
 	// hits are the box's limit counters after its last call, to tell what
 	// killed it between calls (nil: not counted).
 	hits *sandbox.LimitHits
+	// job is the background job running in the box; while it runs, the
+	// session's other calls are refused (jobs.go).
+	job *Job
 }
 
 func newSession(m *Manager, principal, name string) *Session {
@@ -404,6 +414,10 @@ func (s *Session) acquire(ctx context.Context) error {
 		s.release()
 		return ErrReset
 	}
+	if err := s.jobBusy(); err != nil {
+		s.release()
+		return err
+	}
 	return nil
 }
 
@@ -429,7 +443,7 @@ func (s *Session) idleSince(ttl time.Duration) bool {
 	defer func() { s.turn <- struct{}{} }()
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return time.Since(s.lastUsed) > ttl
+	return s.job == nil && time.Since(s.lastUsed) > ttl
 }
 
 // close destroys the session's box without waiting for its turn: a call
@@ -652,6 +666,10 @@ func (m *Manager) runBounded(ctx context.Context, box sandbox.Sandbox, timeout t
 		why = fmt.Sprintf(msgTime, limitSeconds(timeout))
 	case <-ctx.Done():
 		why = msgCancel
+		var stop stopReason // a job cancelled or cut off by shutdown
+		if errors.As(context.Cause(ctx), &stop) {
+			why = string(stop)
+		}
 	}
 	ictx, icancel := context.WithTimeout(context.Background(), m.opts.Grace)
 	box.Interrupt(ictx)
