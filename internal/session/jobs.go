@@ -280,6 +280,12 @@ func (t *jobTable) cancelAll() {
 
 func (t *jobTable) wait() { t.wg.Wait() }
 
+func (t *jobTable) isClosed() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.closed
+}
+
 // expire forgets finished jobs older than the retention. Call with t.mu held.
 func (t *jobTable) expire(retention time.Duration) {
 	for id, j := range t.byID {
@@ -407,11 +413,14 @@ func (s *Session) jobBusy() error {
 
 // Start runs code as a background job in the session's box and returns
 // at once; ctx bounds only the start (taking the session's turn and a
-// box). The job runs until it ends, its timeout, Cancel, a reset of the
+// box); a timeout of 0 is the most a job may run. The job runs until it ends, its timeout, Cancel, a reset of the
 // session or the server's shutdown.
 func (s *Session) Start(ctx context.Context, lang Language, code string, timeout time.Duration) (*Job, error) {
 	if err := s.acquire(ctx); err != nil {
 		return nil, err
+	}
+	if timeout <= 0 {
+		timeout = s.m.opts.Jobs.MaxTime
 	}
 	j, jctx, err := s.m.newJob(s.principal, s.name)
 	if err != nil {
@@ -439,8 +448,11 @@ func (s *Session) Start(ctx context.Context, lang Language, code string, timeout
 			turn = true
 		case <-s.closing:
 		}
-		if s.isClosed() {
-			out, err = nil, ErrReset // reset (or shutdown) destroyed its box
+		if s.isClosed() { // a reset or the shutdown destroyed its box
+			out, err = nil, ErrReset
+			if s.m.jobs.isClosed() {
+				err = ErrShutdown
+			}
 		} else {
 			s.after(box, err)
 			if out != nil {
@@ -471,6 +483,9 @@ func (s *Session) Start(ctx context.Context, lang Language, code string, timeout
 // (per-call mode), which is destroyed when the job ends; the files the
 // job wrote come back with its result.
 func (m *Manager) StartOnce(principal string, lang Language, code string, files map[string][]byte, timeout time.Duration) (*Job, error) {
+	if timeout <= 0 {
+		timeout = m.opts.Jobs.MaxTime
+	}
 	j, jctx, err := m.newJob(principal, "")
 	if err != nil {
 		return nil, err
