@@ -213,3 +213,23 @@ func TestJobOwnedOverHTTP(t *testing.T) {
 		t.Errorf("alice's cancel: %q", text(res))
 	}
 }
+
+// TestJobPerCallTool: in per-call mode a background job stages its
+// files, runs in a fresh box, and its result returns the files it wrote.
+func TestJobPerCallTool(t *testing.T) {
+	onBackends(t, func(t *testing.T, b sandbox.Backend) {
+		cs := connect(t, b, session.ModePerCall)
+		if res := call(t, cs, "run_shell", map[string]any{"background": true, "session": "s", "command": "true"}); !res.IsError || !strings.Contains(text(res), "per-call mode") {
+			t.Errorf("a session in per-call mode: %q", text(res))
+		}
+		res := call(t, cs, "run_shell", map[string]any{"background": true, "command": "sleep 1; tr a-z A-Z < in.txt > out.txt", "files": map[string]any{"in.txt": "hello"}})
+		id := jobOf(t, res)
+		if _, ok := res.StructuredContent.(map[string]any)["session"]; ok {
+			t.Errorf("a per-call job names a session: %v", res.StructuredContent)
+		}
+		final, _ := pollJob(t, cs, id)
+		if got := text(final); final.IsError || !strings.Contains(got, "file out.txt (5 bytes):\nHELLO") {
+			t.Errorf("per-call job result: %q", got)
+		}
+	})
+}
