@@ -9,6 +9,7 @@ import (
 
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
+	"kiln/internal/agentproto"
 	"kiln/internal/session"
 )
 
@@ -155,7 +156,43 @@ func (s *Server) jobStatus(ctx context.Context, req *mcp.CallToolRequest, args J
 		return bad, nil, nil
 	}
 	wait := min(time.Duration(args.WaitS*float64(time.Second)), maxJobWait)
-	return s.jobResult(j.Poll(ctx, wait), ""), nil, nil
+	stop := s.waitProgress(ctx, req, j, wait)
+	st := j.Poll(ctx, wait)
+	stop()
+	return s.jobResult(st, ""), nil, nil
+}
+
+// waitProgress sends a progress notification every progressIdle while a
+// job_status call waits, if it carries a progress token: the job's time
+// running and the newest of its unread output. It keeps the connection
+// of a client that resets its timeout on progress alive.
+func (s *Server) waitProgress(ctx context.Context, req *mcp.CallToolRequest, j *session.Job, wait time.Duration) (stop func()) {
+	if wait <= 0 || req == nil || req.Session == nil || req.Params == nil || req.Params.GetProgressToken() == nil {
+		return func() {}
+	}
+	token := req.Params.GetProgressToken()
+	quit, done := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(done)
+		t := time.NewTicker(progressIdle)
+		defer t.Stop()
+		for {
+			select {
+			case <-quit:
+				return
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			out, elapsed := j.Peek(agentproto.MaxLiveTail)
+			msg := fmt.Sprintf("job %s running for %s", j.ID(), elapsed.Round(time.Second))
+			if out != "" {
+				msg += "; the newest output:\n" + lastLines(out, progressLines)
+			}
+			req.Session.NotifyProgress(ctx, &mcp.ProgressNotificationParams{ProgressToken: token, Progress: elapsed.Seconds(), Message: msg})
+		}
+	}()
+	return func() { close(quit); <-done }
 }
 
 func (s *Server) cancelJob(ctx context.Context, req *mcp.CallToolRequest, args CancelJobArgs) (*mcp.CallToolResult, any, error) {

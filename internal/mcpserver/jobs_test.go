@@ -233,3 +233,25 @@ func TestJobPerCallTool(t *testing.T) {
 		}
 	})
 }
+
+// TestJobStatusProgress: a job_status call that waits and carries a
+// progress token is sent progress naming the job and its newest output;
+// one without a token is sent none.
+func TestJobStatusProgress(t *testing.T) {
+	b := sessiontest.New(t, &sessiontest.Options{Python: sessiontest.Python(t)})
+	cs, n := dialNotes(t, serve(t, b, session.Options{}))
+	id := jobOf(t, call(t, cs, "run_python", map[string]any{"background": true, "code": "import time\nprint('early', flush=True)\ntime.sleep(30)"}))
+	res := callToken(t, cs, "job_status", map[string]any{"job": id, "wait_s": 6}, "tok")
+	if sc := res.StructuredContent.(map[string]any); sc["state"] != "running" || !strings.Contains(sc["output"].(string), "early") {
+		t.Fatalf("job_status: %q", text(res))
+	}
+	progress, _ := n.take()
+	if len(progress) == 0 || !strings.Contains(progress[0].Message, id) || !strings.Contains(progress[0].Message, "early") {
+		t.Errorf("progress while job_status waited: %d notes, first %+v", len(progress), progress)
+	}
+	call(t, cs, "job_status", map[string]any{"job": id, "wait_s": 6})
+	if progress, _ := n.take(); len(progress) != 0 {
+		t.Errorf("%d progress notes without a token", len(progress))
+	}
+	call(t, cs, "cancel_job", map[string]any{"job": id})
+}

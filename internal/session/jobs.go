@@ -239,6 +239,19 @@ func (j *Job) Poll(ctx context.Context, wait time.Duration) JobStatus {
 	return st
 }
 
+// Peek returns the newest of the output the next poll will return (at
+// most n bytes, whole characters) and the time since the job started,
+// without taking the output.
+func (j *Job) Peek(n int) (string, time.Duration) {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	out := j.pending[max(len(j.pending)-n, 0):]
+	for len(out) > 0 && !utf8.RuneStart(out[0]) {
+		out = out[1:]
+	}
+	return string(out), time.Since(j.started)
+}
+
 // Cancel interrupts the job and, if it does not stop within the grace
 // period, destroys its box, as the time limit does. It waits for the
 // job to end (or ctx), and returns its final status. A job that has
