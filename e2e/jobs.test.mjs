@@ -6,11 +6,11 @@
 
 import { describe, it, before, after } from 'node:test';
 import assert from 'node:assert/strict';
-import { mkdtempSync, writeFileSync, rmSync } from 'node:fs';
+import { mkdtempSync, writeFileSync, rmSync, readdirSync, readFileSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 
-import { text, images, assertPNG, connectHTTP, startHTTP, skip } from './helpers.mjs';
+import { text, images, assertPNG, connectHTTP, connectStdio, startHTTP, sleep, skip } from './helpers.mjs';
 
 const stamp = `${process.pid}-${Date.now()}`;
 const ALICE = `alice-jobs-${stamp}`;
@@ -28,6 +28,21 @@ async function once(url, token, name, args) {
   } finally {
     await conn.close();
   }
+}
+
+// sleepers lists host pids running `sleep MARKER…`.
+function sleepers(marker) {
+  const found = [];
+  for (const d of readdirSync('/proc')) {
+    if (!/^\d+$/.test(d)) continue;
+    try {
+      const argv = readFileSync(`/proc/${d}/cmdline`, 'utf8').split('\0');
+      if (argv[0].endsWith('sleep') && (argv[1] || '').startsWith(marker)) found.push(Number(d));
+    } catch {
+      // gone meanwhile
+    }
+  }
+  return found;
 }
 
 function jobOf(res) {
@@ -143,5 +158,20 @@ describe('background jobs', { skip }, () => {
     assert.equal(text(again), text(res));
     const ls = await once(srv.url, ALICE, 'run_shell', { session: 'cancel', command: 'ls' });
     assert.match(text(ls), /kept\.txt/);
+  });
+
+  it('the server exiting cancels a running job and destroys its sandbox', async () => {
+    const conn = await connectStdio(['--preload', '']);
+    const marker = `900.${process.pid}7`;
+    try {
+      const res = await conn.client.callTool({ name: 'run_shell', arguments: { background: true, command: `sleep ${marker}` } }, undefined, REQUEST);
+      jobOf(res);
+      for (const deadline = Date.now() + 10_000; Date.now() < deadline && sleepers(marker).length === 0; ) await sleep(50);
+      assert.equal(sleepers(marker).length, 1, 'the job\'s process is not visible from the host');
+    } finally {
+      await conn.close();
+    }
+    for (const deadline = Date.now() + 15_000; Date.now() < deadline && sleepers(marker).length > 0; ) await sleep(100);
+    assert.deepEqual(sleepers(marker), [], 'the job outlived the server');
   });
 });
