@@ -361,12 +361,14 @@ func (m *Manager) newJob(principal, sessionName string) (*Job, context.Context, 
 	return j, ctx, nil
 }
 
-// forgetJob removes a job that never started.
-func (m *Manager) forgetJob(j *Job) {
+// forgetJob removes a job that could not start, ending it with err for
+// whoever already holds it.
+func (m *Manager) forgetJob(j *Job, err error) {
 	m.jobs.mu.Lock()
 	delete(m.jobs.byID, j.id)
 	m.jobs.mu.Unlock()
 	j.cancel(nil)
+	j.finish(nil, nil, err)
 	m.jobs.wg.Done()
 }
 
@@ -442,7 +444,7 @@ func (s *Session) Start(ctx context.Context, lang Language, code string, timeout
 	}
 	box, fresh, note, err := s.ensure(ctx)
 	if err != nil {
-		s.m.forgetJob(j)
+		s.m.forgetJob(j, err)
 		s.release()
 		return nil, err
 	}

@@ -303,3 +303,18 @@ func waitDone(j *session.Job) <-chan struct{} {
 	}()
 	return c
 }
+
+// TestJobStartBusy: a job that cannot get a box is refused at its start,
+// as a foreground call would be, and leaves no job behind.
+func TestJobStartBusy(t *testing.T) {
+	mgr, _ := withPython(t, session.Options{MaxBoxes: 1, BoxWait: 100 * time.Millisecond})
+	if _, err := getSession(t, mgr, "holder").RunPython(context.Background(), "1", liveness); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := getSession(t, mgr, "late").Start(context.Background(), session.Python, "1", 0); !errors.Is(err, session.ErrBusy) {
+		t.Fatalf("a job with every box taken: %v", err)
+	}
+	if ids := mgr.Jobs("local"); len(ids) != 0 {
+		t.Errorf("the refused job is listed: %v", ids)
+	}
+}
