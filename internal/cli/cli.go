@@ -20,6 +20,7 @@ import (
 
 	"kiln/internal/agentproto"
 	"kiln/internal/egress"
+	"kiln/internal/event"
 	"kiln/internal/mcpserver"
 	"kiln/internal/sandbox"
 	"kiln/internal/session"
@@ -110,6 +111,7 @@ type common struct {
 	egressHosts string
 	verbose     bool
 	backends    backends // every registered backend, with its own flags
+	obs         obsFlags // audit log and metrics (kiln mcp and serve only)
 }
 
 func (c *common) register(fs *flag.FlagSet) {
@@ -168,7 +170,7 @@ type network struct {
 	gateway *egress.Gateway // nil when the policy is empty
 }
 
-func (c *common) network(log *slog.Logger) (*network, error) {
+func (c *common) network(log *slog.Logger, obs event.Observer) (*network, error) {
 	p, err := egress.ParsePolicy(splitList(c.allowNet)...)
 	if err != nil {
 		return nil, fmt.Errorf("--allow-net: %w", err)
@@ -177,7 +179,7 @@ func (c *common) network(log *slog.Logger) (*network, error) {
 	if p.Empty() {
 		return n, nil
 	}
-	if n.gateway, err = egress.NewGateway(egress.Options{Logger: log, HostsFile: c.egressHosts}); err != nil {
+	if n.gateway, err = egress.NewGateway(egress.Options{Logger: log, HostsFile: c.egressHosts, Observer: obs}); err != nil {
 		return nil, fmt.Errorf("starting the egress gateway: %w", err)
 	}
 	return n, nil
@@ -189,6 +191,7 @@ type stack struct {
 	backend sandbox.Backend
 	mgr     *session.Manager
 	srv     *mcpserver.Server
+	obs     *observers
 }
 
 func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
@@ -196,8 +199,13 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 	if mode != session.ModeSession && mode != session.ModePerCall {
 		return nil, fmt.Errorf("--mode must be session or per-call, not %q", c.mode)
 	}
-	net, err := c.network(log)
+	obs, err := c.obs.open(c.backend, log)
 	if err != nil {
+		return nil, err
+	}
+	net, err := c.network(log, obs.observer())
+	if err != nil {
+		obs.close()
 		return nil, err
 	}
 	maxBoxes, all := c.bounds.resolve(c.limits())
@@ -206,6 +214,7 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		if net.gateway != nil {
 			net.gateway.Close()
 		}
+		obs.close()
 		return nil, fmt.Errorf("starting %s backend: %w", c.backend, err)
 	}
 	mgr := session.NewManager(c.bounds.apply(maxBoxes, session.Options{
@@ -221,14 +230,19 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		PoolWorkers:    c.poolWorkers,
 		Jobs:           c.jobs.options(),
 		Logger:         log,
+		Observer:       obs.observer(),
 	}))
 	if w, ok := b.(sandbox.Warmer); ok {
 		spec := sandbox.Spec{Limits: mgr.Options().Limits, Preload: splitList(c.preload)}
 		go func() {
 			if err := w.Warm(ctx, spec); err != nil {
 				log.Warn("preparing the template ahead of demand", "err", err)
+				return
 			}
+			obs.warm.Store(true)
 		}()
+	} else {
+		obs.warm.Store(true)
 	}
 	var rt sandbox.Runtime
 	if d, ok := b.(sandbox.Describer); ok {
@@ -240,7 +254,12 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		log.Info("egress allowed", "hosts", net.policy.String())
 	}
 	srv := mcpserver.New(mcpserver.Options{Manager: mgr, Runtime: rt, Backend: b.Name(), Network: netDesc, Logger: log})
-	return &stack{net: net, backend: b, mgr: mgr, srv: srv}, nil
+	st := &stack{net: net, backend: b, mgr: mgr, srv: srv, obs: obs}
+	if err := obs.serve(c.obs.metricsAddr, mgr); err != nil {
+		st.close()
+		return nil, err
+	}
+	return st, nil
 }
 
 func (s *stack) close() {
@@ -249,6 +268,7 @@ func (s *stack) close() {
 	if s.net.gateway != nil {
 		s.net.gateway.Close()
 	}
+	s.obs.close()
 }
 
 func signalContext() (context.Context, context.CancelFunc) {
@@ -260,6 +280,7 @@ func runMCP(args []string, stdout, stderr io.Writer) error {
 	fs.SetOutput(stderr)
 	var c common
 	c.register(fs)
+	c.obs.register(fs)
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -285,6 +306,7 @@ func runServe(args []string, stderr io.Writer) error {
 	fs.SetOutput(stderr)
 	var c common
 	c.register(fs)
+	c.obs.register(fs)
 	addr := fs.String("addr", "127.0.0.1:8080", "address to listen on")
 	tokenFile := fs.String("token-file", "", "file of bearer tokens, one per line (\"principal:token\" or \"token\"), readable by its owner only; KILN_TOKEN adds one")
 	httpFlags := registerHTTPLimits(fs)

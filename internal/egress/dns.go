@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/miekg/dns"
+
+	"kiln/internal/event"
 )
 
 // dnsTTL is the TTL of answers; short, so a box re-asks after the host's
@@ -47,6 +49,7 @@ func (c *core) serveDNS(w dns.ResponseWriter, req *dns.Msg) {
 	if err != nil {
 		m.Rcode = dns.RcodeServerFailure
 		c.warnLimited(a, time.Now(), "egress error", "session", a.session, "via", "dns", "name", name, "verdict", "error", "err", err)
+		c.observe(a, "dns", name, 0, event.VerdictError, err.Error())
 		return
 	}
 	var v4 []netip.Addr
@@ -71,4 +74,5 @@ func (c *core) serveDNS(w dns.ResponseWriter, req *dns.Msg) {
 		})
 	}
 	c.log.Info("egress allowed", "session", a.session, "via", "dns", "name", name, "addr", strs, "verdict", "allow")
+	c.observe(a, "dns", name, 0, event.VerdictAllow, "")
 }

@@ -16,6 +16,7 @@ import (
 	"sync"
 	"time"
 
+	"kiln/internal/event"
 	"kiln/internal/sandbox/boxkit"
 )
 
@@ -36,6 +37,9 @@ var (
 // fields mean the defaults.
 type Options struct {
 	Logger *slog.Logger
+	// Observer is told of every attempt and its verdict (the audit log,
+	// the metrics); nil: no one.
+	Observer event.Observer
 
 	// Network is the pool box addresses come from. It exists only inside
 	// the gateway's own network namespace and the boxes' namespaces, never
@@ -411,6 +415,7 @@ func (c *core) refuse(a *Attachment, r Refusal) error {
 		attrs = append(attrs, "addr", r.Addr.String())
 	}
 	c.warnLimited(a, r.Time, "egress refused", attrs...)
+	c.observe(a, r.Via, r.Name, r.Port, event.VerdictRefuse, r.Reason)
 	a.addRefusal(r)
 	return &RefusedError{Refusal: r}
 }
@@ -450,6 +455,7 @@ func (c *core) dial(ctx context.Context, a *Attachment, via, name string, port u
 	ok, blocked, err := c.resolveChecked(ctx, name)
 	if err != nil {
 		c.warnLimited(a, time.Now(), "egress error", "session", a.session, "via", via, "name", name, "port", port, "verdict", "error", "err", err)
+		c.observe(a, via, name, port, event.VerdictError, err.Error())
 		return nil, err
 	}
 	if len(ok) == 0 {
@@ -466,6 +472,7 @@ func (c *core) dial(ctx context.Context, a *Attachment, via, name string, port u
 			continue
 		}
 		c.log.Info("egress allowed", "session", a.session, "via", via, "name", name, "port", port, "addr", addr.String(), "verdict", "allow")
+		c.observe(a, via, name, port, event.VerdictAllow, "")
 		tc := &trackedConn{Conn: conn, att: a}
 		if !a.track(tc) {
 			return nil, ErrClosed
@@ -474,6 +481,7 @@ func (c *core) dial(ctx context.Context, a *Attachment, via, name string, port u
 	}
 	err = fmt.Errorf("dialing %s port %d: %w", name, port, errors.Join(errs...))
 	c.warnLimited(a, time.Now(), "egress error", "session", a.session, "via", via, "name", name, "port", port, "verdict", "error", "err", err)
+	c.observe(a, via, name, port, event.VerdictError, err.Error())
 	return nil, err
 }
 

@@ -271,7 +271,7 @@ func (s *Server) run(ctx context.Context, req *mcp.CallToolRequest, lang session
 		if err != nil {
 			return toolError("%v", err), nil, nil
 		}
-		out, produced, err := s.mgr.RunOnce(ctx, lang, code, staged, timeout)
+		out, produced, err := s.mgr.RunOnce(session.WithPrincipal(ctx, principal(req)), lang, code, staged, timeout)
 		if err != nil {
 			return s.failure(log, err), nil, nil
 		}

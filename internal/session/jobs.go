@@ -489,6 +489,7 @@ func (s *Session) Start(ctx context.Context, lang Language, code string, timeout
 			s.release()
 		}
 		j.finish(out, nil, err)
+		s.m.observeExec(jctx, s.principal, s.name, lang, code, out, err)
 		s.m.log.Info("job ended", "job", j.id, "session", s.name, "err", err)
 	}()
 	return j, nil
@@ -508,7 +509,7 @@ func (m *Manager) StartOnce(principal string, lang Language, code string, files 
 	m.log.Info("job started", "job", j.id, "principal", principal, "timeout", timeout)
 	go func() {
 		defer m.jobs.wg.Done()
-		out, produced, err := m.RunOnce(jctx, lang, code, files, timeout)
+		out, produced, err := m.RunOnce(WithPrincipal(jctx, principal), lang, code, files, timeout)
 		j.finish(out, produced, err)
 		m.log.Info("job ended", "job", j.id, "err", err)
 	}()

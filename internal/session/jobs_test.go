@@ -318,3 +318,34 @@ func TestJobStartBusy(t *testing.T) {
 		t.Errorf("the refused job is listed: %v", ids)
 	}
 }
+
+// TestJobObserved: a job's execution reaches the observer (the audit log
+// and the metrics) like a foreground call's, in both modes, with its
+// principal.
+func TestJobObserved(t *testing.T) {
+	for _, mode := range []session.Mode{session.ModeSession, session.ModePerCall} {
+		t.Run(string(mode), func(t *testing.T) {
+			rec := &recorder{}
+			mgr, _ := withPython(t, session.Options{Mode: mode, Observer: rec})
+			var (
+				j   *session.Job
+				err error
+			)
+			if mode == session.ModePerCall {
+				j, err = mgr.StartOnce("alice", session.Shell, "echo job-ran", nil, 0)
+			} else {
+				s, _ := mgr.Get("alice", "obs")
+				j, err = s.Start(context.Background(), session.Shell, "echo job-ran", 0)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			pollDone(t, j)
+			waitUntil(t, func() bool { return len(rec.execs()) == 1 }, "the job's execution event")
+			e := rec.execs()[0]
+			if e.Principal != "alice" || e.Code != "echo job-ran" || e.Language != "shell" || e.Result != "ok" {
+				t.Errorf("event %+v", e)
+			}
+		})
+	}
+}
