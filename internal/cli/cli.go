@@ -30,7 +30,7 @@ const usage = `kiln runs the code AI agents write in sandboxes that hold nothing
 
 Usage:
   kiln mcp [flags]                 MCP over stdio (Claude Desktop, Claude Code, Cursor)
-  kiln serve [--addr A] [flags]    MCP over streamable HTTP at /mcp (bearer token)
+  kiln serve [--addr A] [flags]    MCP over streamable HTTP at /mcp (bearer token, or OAuth with --auth oidc)
   kiln run -c CODE | -f FILE       run once and print the result (--shell for bash)
   kiln install claude-desktop|claude-code|cursor|vscode [--write]
   kiln config print [serve|mcp|run|doctor] [flags]
@@ -112,6 +112,7 @@ type common struct {
 	verbose     bool
 	backends    backends // every registered backend, with its own flags
 	obs         obsFlags // audit log and metrics (kiln mcp and serve only)
+	netScope    string   // not a flag: kiln serve --auth oidc's network scope
 }
 
 func (c *common) register(fs *flag.FlagSet) {
@@ -252,8 +253,11 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 	if !net.policy.Empty() {
 		netDesc = egress.Describe(net.policy)
 		log.Info("egress allowed", "hosts", net.policy.String())
+		if c.netScope != "" {
+			netDesc += " Only for clients whose token holds the scope " + c.netScope + "; for others the network is cut."
+		}
 	}
-	srv := mcpserver.New(mcpserver.Options{Manager: mgr, Runtime: rt, Backend: b.Name(), Network: netDesc, Logger: log})
+	srv := mcpserver.New(mcpserver.Options{Manager: mgr, Runtime: rt, Backend: b.Name(), Network: netDesc, Logger: log, NetScope: c.netScope})
 	st := &stack{net: net, backend: b, mgr: mgr, srv: srv, obs: obs}
 	if err := obs.serve(c.obs.metricsAddr, mgr); err != nil {
 		st.close()
@@ -310,6 +314,7 @@ func runServe(args []string, stderr io.Writer) error {
 	addr := fs.String("addr", "127.0.0.1:8080", "address to listen on")
 	tokenFile := fs.String("token-file", "", "file of bearer tokens, one per line (\"principal:token\" or \"token\"), readable by its owner only; KILN_TOKEN adds one")
 	httpFlags := registerHTTPLimits(fs)
+	authF := registerAuth(fs)
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -317,25 +322,35 @@ func runServe(args []string, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	if err := mcpserver.CheckListen(*addr, toks); err != nil {
-		return err
+	if authF.mode == "oidc" && len(toks) > 0 {
+		return errors.New("KILN_TOKEN and --token-file are for --auth tokens; with --auth oidc, clients bring tokens of --oidc-issuer")
 	}
 	log := c.logger(stderr)
 	ctx, cancel := signalContext()
 	defer cancel()
+	verifier, oauthOpts, err := authF.oidc(ctx, log)
+	if err != nil {
+		return err
+	}
+	if verifier != nil {
+		defer verifier.Close()
+		c.netScope = verifier.NetScope()
+	} else if err := mcpserver.CheckListen(*addr, toks); err != nil {
+		return err
+	}
 	st, err := c.start(ctx, log)
 	if err != nil {
 		return err
 	}
 	defer st.close()
 	lim := httpFlags.limits()
-	hs, ln, err := listenHTTP(st.srv, *addr, mcpserver.HTTPOptions{Tokens: toks, Limits: &lim})
+	hs, ln, err := listenHTTP(st.srv, *addr, mcpserver.HTTPOptions{Tokens: toks, OAuth: oauthOpts, Limits: &lim})
 	if err != nil {
 		return err
 	}
 	errc := make(chan error, 1)
 	go func() { errc <- hs.Serve(ln) }()
-	log.Info("kiln serving MCP over HTTP", "url", "http://"+*addr+"/mcp", "backend", c.backend, "mode", c.mode, "auth", len(toks) > 0)
+	log.Info("kiln serving MCP over HTTP", "url", "http://"+*addr+"/mcp", "backend", c.backend, "mode", c.mode, "auth", authF.mode, "authenticated", len(toks) > 0 || verifier != nil)
 	select {
 	case err := <-errc:
 		return err

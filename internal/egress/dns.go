@@ -35,6 +35,11 @@ func (c *core) serveDNS(w dns.ResponseWriter, req *dns.Msg) {
 	}
 	q := req.Question[0]
 	name := normalizeName(q.Name)
+	if a.cut.Load() {
+		m.Rcode = dns.RcodeRefused
+		c.refuse(a, Refusal{Via: "dns", Name: name, Reason: reasonCut})
+		return
+	}
 	if q.Qclass != dns.ClassINET || !a.policy.AllowsName(name) {
 		m.Rcode = dns.RcodeRefused
 		c.refuse(a, Refusal{Via: "dns", Name: name, Reason: "not in the allowlist (allowed: " + a.policy.String() + ")"})

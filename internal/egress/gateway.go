@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"kiln/internal/event"
@@ -187,6 +188,7 @@ type Attachment struct {
 	mu       sync.Mutex
 	refusals []Refusal
 	conns    map[io.Closer]struct{} // upstream connections
+	cut      atomic.Bool            // set by Cut: nothing is allowed
 	closed   bool
 	cleanup  boxkit.Cleanup
 
@@ -243,7 +245,7 @@ func (a *Attachment) addRefusal(r Refusal) {
 func (a *Attachment) track(c io.Closer) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.closed {
+	if a.closed || a.cut.Load() {
 		c.Close()
 		return false
 	}
@@ -446,6 +448,10 @@ func (c *core) dial(ctx context.Context, a *Attachment, via, name string, port u
 	}
 	if _, err := netip.ParseAddr(name); err == nil {
 		refusal.Reason = "connecting by IP address is not allowed; connect by an allowed host name"
+		return nil, c.refuse(a, refusal)
+	}
+	if a.cut.Load() {
+		refusal.Reason = reasonCut
 		return nil, c.refuse(a, refusal)
 	}
 	if !a.policy.Allows(name, port) {

@@ -33,6 +33,9 @@ type Options struct {
 	Network string // one sentence on what boxes can reach; "" means no network
 	Backend string
 	Logger  *slog.Logger
+	// NetScope, when set, is the OAuth scope a client's token must hold
+	// for its calls to run in boxes with network (see netscope.go).
+	NetScope string
 }
 
 // Server is kiln's MCP server.
@@ -170,7 +173,7 @@ func guard[In any](s *Server, h mcp.ToolHandlerFor[In, any], sessionOf func(In) 
 			}
 			res, out, err = toolError("kiln faulted while handling this call (%v); %s", v, what), nil, nil
 		}()
-		return h(ctx, req, args)
+		return h(s.netScoped(ctx, req), req, args)
 	}
 }
 

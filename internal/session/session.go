@@ -556,6 +556,10 @@ func (s *Session) exec(ctx context.Context, timeout time.Duration, run runFunc) 
 	if err != nil {
 		return nil, err
 	}
+	if err := cutIfOffline(ctx, box); err != nil {
+		s.drop(box)
+		return nil, err
+	}
 	out, err := s.m.runBounded(ctx, box, timeout, run)
 	if s.isClosed() {
 		return nil, ErrReset // its box was destroyed under it
@@ -582,6 +586,10 @@ func (s *Session) WithBox(ctx context.Context, f func(sandbox.Sandbox) error) er
 	defer s.release()
 	box, _, _, err := s.ensure(ctx)
 	if err != nil {
+		return err
+	}
+	if err := cutIfOffline(ctx, box); err != nil {
+		s.drop(box)
 		return err
 	}
 	err = f(box)
