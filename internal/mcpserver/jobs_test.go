@@ -156,15 +156,6 @@ func TestJobToolArgs(t *testing.T) {
 	}
 }
 
-// bearer adds a token to every request.
-type bearer string
-
-func (b bearer) RoundTrip(r *http.Request) (*http.Response, error) {
-	r = r.Clone(r.Context())
-	r.Header.Set("Authorization", "Bearer "+string(b))
-	return http.DefaultTransport.RoundTrip(r)
-}
-
 // TestJobOwnedOverHTTP: over HTTP with two tokens, principal B can
 // neither poll nor cancel A's job, nor learn that it exists; A can, from
 // a new connection.
@@ -175,7 +166,7 @@ func TestJobOwnedOverHTTP(t *testing.T) {
 	defer ts.Close()
 	client := func(token string) *mcp.ClientSession {
 		cs, err := mcp.NewClient(&mcp.Implementation{Name: "t", Version: "1"}, nil).Connect(context.Background(),
-			&mcp.StreamableClientTransport{Endpoint: ts.URL + "/mcp", HTTPClient: &http.Client{Transport: bearer(token)}}, nil)
+			&mcp.StreamableClientTransport{Endpoint: ts.URL + "/mcp", HTTPClient: &http.Client{Transport: bearer{token}}}, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
