@@ -106,6 +106,7 @@ type common struct {
 	idleTTL     time.Duration
 	bounds      bounds
 	resources   resourceFlags
+	jobs        jobFlags
 	preload     string
 	allowNet    string
 	egressHosts string
@@ -131,6 +132,7 @@ func (c *common) register(fs *flag.FlagSet) {
 	fs.DurationVar(&c.idleTTL, "idle-ttl", session.DefaultIdleTTL, "destroy a session's sandbox after this long unused")
 	c.bounds.register(fs)
 	c.resources.register(fs)
+	c.jobs.register(fs)
 	fs.StringVar(&c.preload, "preload", "numpy,pandas,matplotlib", "Python modules imported before the first call (skipped when missing)")
 	fs.StringVar(&c.allowNet, "allow-net", "", "hosts sandboxes may reach over HTTP(S), comma-separated: host, *.domain, host:port (default: none, loopback only)")
 	fs.StringVar(&c.egressHosts, "egress-hosts", "", "hosts file (/etc/hosts format) the egress gateway resolves names with before DNS")
@@ -232,6 +234,7 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		MaxOutput:      c.resources.kept(c.maxOutput),
 		PoolSize:       c.poolSize,
 		PoolWorkers:    c.poolWorkers,
+		Jobs:           c.jobs.options(),
 		Logger:         log,
 		Observer:       obs.observer(),
 	}))

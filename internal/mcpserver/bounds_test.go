@@ -105,6 +105,9 @@ func TestBusyIsAToolResult(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, tool := range list.Tools {
+		if !strings.HasPrefix(tool.Name, "run_") {
+			continue // the job tools run nothing
+		}
 		if !strings.Contains(tool.Description, "At most 1 sandboxes run at once") || !strings.Contains(tool.Description, "busy") {
 			t.Errorf("%s does not state the box cap: %s", tool.Name, tool.Description)
 		}

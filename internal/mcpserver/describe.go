@@ -53,11 +53,12 @@ func (s *Server) describeRunPython() string {
 	}
 	b.WriteString("The value of the last expression is shown. matplotlib figures (plt.show() or left open) come back as PNG images; display(obj) shows rich objects (DataFrames as tables). Exceptions come back with a traceback. ")
 	b.WriteString(s.facts())
+	b.WriteString(s.describeBackground())
 	return b.String()
 }
 
 func (s *Server) describeRunShell() string {
-	return "Run a bash command line in the sandbox; stdout, stderr and the exit status come back. " + s.sharedWith() + s.facts()
+	return "Run a bash command line in the sandbox; stdout, stderr and the exit status come back. " + s.sharedWith() + s.facts() + s.describeBackground()
 }
 
 func (s *Server) sharedWith() string {

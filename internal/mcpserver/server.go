@@ -72,16 +72,18 @@ func (s *Server) MCP() *mcp.Server { return s.mcp }
 // Arguments of the tools. Field docs become the JSON schema descriptions.
 type (
 	RunPythonArgs struct {
-		Code     string            `json:"code" jsonschema:"Python source to run as one cell"`
-		Session  string            `json:"session,omitempty" jsonschema:"session name; omit for this connection's default session"`
-		TimeoutS float64           `json:"timeout_s,omitempty" jsonschema:"time limit in seconds"`
-		Files    map[string]string `json:"files,omitempty" jsonschema:"per-call mode: files to place in the workspace first, path to content (prefix content with base64: for binary)"`
+		Code       string            `json:"code" jsonschema:"Python source to run as one cell"`
+		Session    string            `json:"session,omitempty" jsonschema:"session name; omit for this connection's default session"`
+		TimeoutS   float64           `json:"timeout_s,omitempty" jsonschema:"time limit in seconds"`
+		Files      map[string]string `json:"files,omitempty" jsonschema:"per-call mode: files to place in the workspace first, path to content (prefix content with base64: for binary)"`
+		Background bool              `json:"background,omitempty" jsonschema:"run as a background job: return at once with a job handle; follow it with job_status, stop it with cancel_job"`
 	}
 	RunShellArgs struct {
-		Command  string            `json:"command" jsonschema:"bash command line to run in the workspace"`
-		Session  string            `json:"session,omitempty" jsonschema:"session name; omit for this connection's default session"`
-		TimeoutS float64           `json:"timeout_s,omitempty" jsonschema:"time limit in seconds"`
-		Files    map[string]string `json:"files,omitempty" jsonschema:"per-call mode: files to place in the workspace first, path to content (prefix content with base64: for binary)"`
+		Command    string            `json:"command" jsonschema:"bash command line to run in the workspace"`
+		Session    string            `json:"session,omitempty" jsonschema:"session name; omit for this connection's default session"`
+		TimeoutS   float64           `json:"timeout_s,omitempty" jsonschema:"time limit in seconds"`
+		Files      map[string]string `json:"files,omitempty" jsonschema:"per-call mode: files to place in the workspace first, path to content (prefix content with base64: for binary)"`
+		Background bool              `json:"background,omitempty" jsonschema:"run as a background job: return at once with a job handle; follow it with job_status, stop it with cancel_job"`
 	}
 	WriteFileArgs struct {
 		Path     string `json:"path" jsonschema:"path relative to the workspace; parent directories are created"`
@@ -118,6 +120,7 @@ func (s *Server) addTools() {
 		Description: s.describeRunShell(),
 		Annotations: &mcp.ToolAnnotations{OpenWorldHint: boolPtr(s.opts.Network != "")},
 	}, guard(s, s.runShell, func(a RunShellArgs) string { return a.Session }))
+	s.addJobTools()
 	if s.perCall() {
 		return
 	}
@@ -222,27 +225,41 @@ func (s *Server) session(req *mcp.CallToolRequest, name string) (*session.Sessio
 }
 
 func (s *Server) runPython(ctx context.Context, req *mcp.CallToolRequest, args RunPythonArgs) (*mcp.CallToolResult, any, error) {
+	if args.Background {
+		return s.startJob(ctx, req, session.Python, args.Code, args.Session, args.TimeoutS, args.Files)
+	}
 	return s.run(ctx, req, session.Python, args.Code, args.Session, args.TimeoutS, args.Files)
 }
 
 func (s *Server) runShell(ctx context.Context, req *mcp.CallToolRequest, args RunShellArgs) (*mcp.CallToolResult, any, error) {
+	if args.Background {
+		return s.startJob(ctx, req, session.Shell, args.Command, args.Session, args.TimeoutS, args.Files)
+	}
 	return s.run(ctx, req, session.Shell, args.Command, args.Session, args.TimeoutS, args.Files)
 }
 
 const maxCodeBytes = 1 << 20
 
-func (s *Server) run(ctx context.Context, req *mcp.CallToolRequest, lang session.Language, code, name string, timeoutS float64, files map[string]string) (*mcp.CallToolResult, any, error) {
+// checkRun refuses a run call's bad arguments; nil if they are fine.
+func checkRun(lang session.Language, code string, timeoutS float64) *mcp.CallToolResult {
 	what := "code"
 	if lang == session.Shell {
 		what = "command"
 	}
 	switch {
 	case strings.TrimSpace(code) == "":
-		return toolError("%s is empty", what), nil, nil
+		return toolError("%s is empty", what)
 	case len(code) > maxCodeBytes:
-		return toolError("%s is %d bytes; the limit is %d. Write large inputs with write_file and run a short script.", what, len(code), maxCodeBytes), nil, nil
+		return toolError("%s is %d bytes; the limit is %d. Write large inputs with write_file and run a short script.", what, len(code), maxCodeBytes)
 	case timeoutS < 0:
-		return toolError("timeout_s must be positive"), nil, nil
+		return toolError("timeout_s must be positive")
+	}
+	return nil
+}
+
+func (s *Server) run(ctx context.Context, req *mcp.CallToolRequest, lang session.Language, code, name string, timeoutS float64, files map[string]string) (*mcp.CallToolResult, any, error) {
+	if bad := checkRun(lang, code, timeoutS); bad != nil {
+		return bad, nil, nil
 	}
 	timeout := s.mgr.Timeout(timeoutS)
 	log := s.log.With("principal", principal(req), "tool", req.Params.Name)
@@ -292,7 +309,7 @@ func (s *Server) failure(log *slog.Logger, err error) *mcp.CallToolResult {
 		return toolError("%s", ae.Msg)
 	}
 	if errors.Is(err, session.ErrBadName) || errors.Is(err, session.ErrTooMany) || errors.Is(err, session.ErrShutdown) ||
-		errors.Is(err, session.ErrBusy) || errors.Is(err, session.ErrReset) {
+		errors.Is(err, session.ErrBusy) || errors.Is(err, session.ErrReset) || jobError(err) {
 		return toolError("%v", err)
 	}
 	log.Error("call failed", "err", err)

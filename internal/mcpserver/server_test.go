@@ -59,7 +59,7 @@ func TestToolsAndDescriptions(t *testing.T) {
 			}
 		}
 		slices.Sort(names)
-		want := []string{"list_files", "read_file", "reset_session", "run_python", "run_shell", "write_file"}
+		want := []string{"cancel_job", "job_status", "list_files", "read_file", "reset_session", "run_python", "run_shell", "write_file"}
 		if !slices.Equal(names, want) {
 			t.Errorf("tools %v, want %v", names, want)
 		}
@@ -144,8 +144,8 @@ func TestPerCallMode(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if len(list.Tools) != 2 {
-			t.Errorf("per-call mode offers %d tools, want run_python and run_shell", len(list.Tools))
+		if len(list.Tools) != 4 {
+			t.Errorf("per-call mode offers %d tools, want run_python, run_shell, job_status and cancel_job", len(list.Tools))
 		}
 		res := call(t, cs, "run_python", map[string]any{
 			"code":  "import os\nsecret = 1\nopen('out.txt', 'w').write(open('in.txt').read().upper())",

@@ -55,6 +55,8 @@ type Options struct {
 	PoolSize    int
 	PoolWorkers int
 	Logger      *slog.Logger
+	// Jobs bounds background jobs (jobs.go).
+	Jobs JobOptions
 	// Observer is told of every execution, session change and box
 	// creation (the audit log, the metrics); nil: no one.
 	Observer event.Observer
@@ -108,6 +110,7 @@ func (o *Options) defaults() {
 	if o.MaxBoxes == 0 {
 		o.MaxBoxes = DefaultMaxBoxes(o.Limits)
 	}
+	o.Jobs.defaults()
 }
 
 // Errors a client can act on.
@@ -176,6 +179,7 @@ type Manager struct {
 	wg       sync.WaitGroup
 	// destroying counts per-call boxes being destroyed after their call.
 	destroying sync.WaitGroup
+	jobs       jobTable // background jobs (jobs.go)
 }
 
 // NewManager starts the pool and the idle reaper.
@@ -192,6 +196,7 @@ func NewManager(opts Options) *Manager {
 	m.slots = newSlots(opts.MaxBoxes)
 	m.pool = newPool(opts.Backend, spec, PoolOptions{Size: opts.PoolSize, Concurrency: opts.PoolWorkers, Logger: opts.Logger, Observer: opts.Observer}, m.slots)
 	m.warnOvercommit()
+	m.jobs.init()
 	m.wg.Add(1)
 	go m.reap()
 	return m
@@ -338,6 +343,7 @@ func (m *Manager) Close() {
 		go func() { defer m.destroying.Done(); box.Close() }()
 	}
 	m.mu.Unlock()
+	m.jobs.cancelAll() // jobs end as their boxes are destroyed below
 	close(m.stop)
 	m.wg.Wait()
 	var wg sync.WaitGroup
@@ -349,6 +355,7 @@ func (m *Manager) Close() {
 	wg.Wait()
 	m.pool.Close()
 	m.destroying.Wait()
+	m.jobs.wait()
 }
 
 // Outcome is what one call produced, with what kiln did about it.
@@ -392,6 +399,9 @@ type Session struct {
 	// hits are the box's limit counters after its last call, to tell what
 	// killed it between calls (nil: not counted).
 	hits *sandbox.LimitHits
+	// job is the background job running in the box; while it runs, the
+	// session's other calls are refused (jobs.go).
+	job *Job
 }
 
 func newSession(m *Manager, principal, name string) *Session {
@@ -420,6 +430,10 @@ func (s *Session) acquire(ctx context.Context) error {
 		s.release()
 		return ErrReset
 	}
+	if err := s.jobBusy(); err != nil {
+		s.release()
+		return err
+	}
 	return nil
 }
 
@@ -445,7 +459,7 @@ func (s *Session) idleSince(ttl time.Duration) bool {
 	defer func() { s.turn <- struct{}{} }()
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return time.Since(s.lastUsed) > ttl
+	return s.job == nil && time.Since(s.lastUsed) > ttl
 }
 
 // close destroys the session's box without waiting for its turn: a call
@@ -682,6 +696,10 @@ func (m *Manager) runBounded(ctx context.Context, box sandbox.Sandbox, timeout t
 		why = fmt.Sprintf(msgTime, limitSeconds(timeout))
 	case <-ctx.Done():
 		why = msgCancel
+		var stop stopReason // a job cancelled or cut off by shutdown
+		if errors.As(context.Cause(ctx), &stop) {
+			why = string(stop)
+		}
 	}
 	ictx, icancel := context.WithTimeout(context.Background(), m.opts.Grace)
 	box.Interrupt(ictx)
