@@ -33,6 +33,7 @@ Usage:
   kiln run -c CODE | -f FILE       run once and print the result (--shell for bash)
   kiln install claude-desktop|claude-code [--write]
   kiln image build [--force]       build the microVM guest image (Debian packages, cached)
+  kiln wasm install                install the pinned Deno and Pyodide (wasm backend; needs npm)
   kiln doctor                      which backends work here, and why not
   kiln version
 
@@ -62,6 +63,8 @@ func Main(args []string, stdout, stderr io.Writer) int {
 		err = runInstall(rest, stdout, stderr)
 	case "image":
 		err = runImage(rest, stdout, stderr)
+	case "wasm":
+		err = runWasm(rest, stdout, stderr)
 	case "doctor":
 		err = runDoctor(rest, stdout, stderr)
 	case "bench":
