@@ -18,7 +18,7 @@ func (p *platform) notes() []string {
 	return []string{"no cgroup off Linux: only V8's heap cap and Pyodide's memory cap bound a box"}
 }
 
-func (p *platform) close() error            { return nil }
+func (p *platform) close() error          { return nil }
 func (p *platform) prepare(cmd *exec.Cmd) {}
 
 type boxControl struct{ cmd *exec.Cmd }
