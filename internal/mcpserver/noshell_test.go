@@ -51,4 +51,3 @@ func TestNoShellRuntime(t *testing.T) {
 		})
 	}
 }
-

@@ -144,6 +144,7 @@ traced = libc.ptrace(16, %d, 0, 0) == 0 or libc.ptrace(16, 1, 0, 0) == 0
 			t.Errorf("the box can signal %d processes: it sees more than its own", n)
 		}
 		// kill(-1) reaches every process the box may signal: only its own.
+		s.needShell(t)
 		res, err := box.RunShell(s.ctx(t, 30*time.Second), fmt.Sprintf("kill -9 %d; kill -9 -1", victim.Process.Pid), sandbox.ExecOptions{})
 		t.Logf("kill -1: %v %v", res != nil, err)
 		if err := victim.Process.Signal(syscallZero); err != nil {
@@ -365,6 +366,7 @@ n`, hostileMarker), sandbox.ExecOptions{})
 	{"memory bomb in many processes", "the box is killed or refused, and the backend still answers", func(t *testing.T, s *suite) {
 		box := s.box(t)
 		mib := s.opts.Limits.MemoryBytes >> 20
+		s.needShell(t)
 		res, err := box.RunShell(s.ctx(t, 60*time.Second), fmt.Sprintf("for i in 1 2 3 4; do python3 -c 'b = bytearray(%d << 20); b[::4096] = b\"1\" * len(b[::4096]); import time; time.sleep(2)' & done; sleep 1; wait; echo done", mib/2), sandbox.ExecOptions{})
 		if err != nil && !errors.Is(err, sandbox.ErrDied) {
 			t.Errorf("the call failed: %v", err)
@@ -426,6 +428,7 @@ n`, sandbox.ExecOptions{})
 	{"output flood on both streams", "the result keeps at most the cap and counts every byte", func(t *testing.T, s *suite) {
 		box := s.box(t)
 		const total = 50_000_000
+		s.needShell(t)
 		res, err := box.RunShell(s.ctx(t, 60*time.Second), fmt.Sprintf("head -c %d /dev/zero | tr '\\0' o & head -c %d /dev/zero | tr '\\0' e >&2; wait", total, total), sandbox.ExecOptions{MaxOutput: 10000})
 		if err != nil {
 			t.Fatal(err)
@@ -474,6 +477,7 @@ os.wait()
 	}},
 	{"a sleeping child left behind at the end of a per-call run", "the call returns, and the child dies when the box is destroyed", func(t *testing.T, s *suite) {
 		box := s.box(t)
+		s.needShell(t)
 		res, err := box.RunShell(s.ctx(t, 30*time.Second), fmt.Sprintf("(exec -a leftover-%s sleep 600) & echo returned", hostileMarker), sandbox.ExecOptions{})
 		if err != nil || !strings.Contains(res.Stdout.Text, "returned") {
 			t.Fatalf("the call did not return: %v %+v", err, res)
@@ -484,6 +488,7 @@ os.wait()
 	{"kill -1 from inside the box", "the box takes down only itself; the call fails cleanly and the backend answers", func(t *testing.T, s *suite) {
 		victim := hostVictim(t, s)
 		box := s.box(t)
+		s.needShell(t)
 		res, err := box.RunShell(s.ctx(t, 30*time.Second), "kill -9 -1; sleep 5; echo alive", sandbox.ExecOptions{})
 		if err != nil && !errors.Is(err, sandbox.ErrDied) {
 			t.Errorf("unclear error: %v", err)
@@ -789,6 +794,9 @@ func (s *suite) afterwards(t *testing.T) {
 	box := s.box(t)
 	if r := py(t, s, box, "6 * 7"); r.value() != "42" {
 		t.Errorf("a new box does not answer: %+v", r.ExecResult)
+	}
+	if s.opts.NoShell != "" {
+		return
 	}
 	if r := sh(t, s, box, "echo ok"); r.Stdout.Text != "ok\n" {
 		t.Errorf("a new box's shell: %+v", r.ExecResult)

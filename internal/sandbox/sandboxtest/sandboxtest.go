@@ -40,6 +40,10 @@ type Options struct {
 	// the hostile syscall case then only requires that the box cannot
 	// create namespaces, and logs what the guest kernel answers otherwise.
 	OwnKernel bool
+	// NoShell, when set, says why the backend's boxes have no shell
+	// (wasm: Python in WebAssembly, no operating system). Cases that need
+	// one skip with that reason; the rest run, some through Python.
+	NoShell string
 }
 
 var (
@@ -159,11 +163,20 @@ func py(t *testing.T, s *suite, box sandbox.Sandbox, code string) *resultView {
 
 func sh(t *testing.T, s *suite, box sandbox.Sandbox, command string) *resultView {
 	t.Helper()
+	s.needShell(t)
 	res, err := box.RunShell(s.ctx(t, 60*time.Second), command, sandbox.ExecOptions{})
 	if err != nil {
 		t.Fatalf("run_shell %q: %v", command, err)
 	}
 	return view(res)
+}
+
+// needShell skips a case that needs a shell on a backend without one.
+func (s *suite) needShell(t *testing.T) {
+	t.Helper()
+	if s.opts.NoShell != "" {
+		t.Skipf("needs a shell, and %s", s.opts.NoShell)
+	}
 }
 
 // hostListener starts a TCP server on the host's loopback and returns its
