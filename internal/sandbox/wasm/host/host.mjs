@@ -61,6 +61,9 @@ worker.onmessage = (e) => {
     send({ id: m.live, output: { tail: m.tail, total: m.total } });
     return;
   }
+  if (m.fatal) {
+    Deno.exit(70);
+  }
   if (m.resp) {
     if (m.resp.id === running) running = 0;
     lastLive.delete(m.resp.id);

@@ -153,6 +153,11 @@ os.environ["KILN_PRELOAD"] = _preload
 exec(compile(_src, "<kiln-driver>", "exec"), globals())
 exec(compile(_glue, "<kiln-driver>", "exec"), globals())
 _kiln_preloaded = prepare()
+def _kiln_no_system(command):
+    raise OSError(38, "there are no programs to run in a wasm sandbox (no shell, no subprocesses)")
+import posix
+os.system = posix.system = _kiln_no_system
+del posix
 del _src, _glue, _preload
 `, { globals: ns });
   cell = ns.get("_kiln_cell");
@@ -174,8 +179,12 @@ function runPython(req) {
   try {
     res = JSON.parse(cell(req.code));
   } catch (e) {
-    // A fault of Pyodide itself (a wasm trap, a stack overflow in C).
-    res = { error: { ename: "KernelError", evalue: String(e).slice(0, 4096), traceback: "" } };
+    // A fault of Pyodide itself (a wasm trap, a host call that threw):
+    // Pyodide is unusable after one. The box dies, the host sees its
+    // stream end, and the session starts a new one.
+    console.error("kiln wasm kernel: Pyodide failed:", String(e).slice(0, 4096));
+    self.postMessage({ fatal: true });
+    return null;
   }
   const exec = {
     stdout: out.stream(),
@@ -400,6 +409,7 @@ self.onmessage = async (e) => {
     switch (req.op) {
       case "python":
         resp = runPython(req);
+        if (resp === null) return;
         break;
       case "write":
         resp = writeFile(req);
