@@ -78,6 +78,13 @@ var cases = []testCase{
 		os.Setenv("KILN_TEST_SECRET", c)
 		defer os.Unsetenv("KILN_TEST_SECRET")
 		box := s.box(t)
+		if s.opts.NoShell != "" {
+			r := py(t, s, box, "import os\nprint(dict(os.environ))\nfor p in ('/proc/self/environ', '/proc/1/environ'):\n    try:\n        print(open(p).read())\n    except OSError:\n        pass")
+			if strings.Contains(r.out, c) || strings.Contains(r.out, "KILN_TEST_SECRET") {
+				t.Errorf("host environment visible in the box")
+			}
+			return
+		}
 		r := sh(t, s, box, "env; cat /proc/1/environ /proc/self/environ 2>/dev/null | tr '\\0' '\\n'; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'")
 		if strings.Contains(r.out, c) || strings.Contains(r.out, "KILN_TEST_SECRET") {
 			t.Errorf("host environment visible in the box")
@@ -93,7 +100,12 @@ var cases = []testCase{
 		f.Close()
 		defer os.Remove(f.Name())
 		box := s.box(t)
-		r := sh(t, s, box, fmt.Sprintf("ls -la /tmp /root /home 2>&1; cat %s 2>/dev/null; cat /etc/shadow 2>&1; grep -rl %s /tmp /root /home /etc 2>/dev/null | head", f.Name(), c[:20]))
+		var r *resultView
+		if s.opts.NoShell != "" {
+			r = py(t, s, box, fmt.Sprintf("import os\nfor d in ('/tmp', '/root', '/home', '/etc'):\n    try:\n        print(d, os.listdir(d))\n    except OSError as e:\n        print(d, e)\nfor p in (%q, '/etc/shadow'):\n    try:\n        print(open(p).read())\n    except OSError as e:\n        print(p, e)", f.Name()))
+		} else {
+			r = sh(t, s, box, fmt.Sprintf("ls -la /tmp /root /home 2>&1; cat %s 2>/dev/null; cat /etc/shadow 2>&1; grep -rl %s /tmp /root /home /etc 2>/dev/null | head", f.Name(), c[:20]))
+		}
 		if strings.Contains(r.out, c) || strings.Contains(r.out, filepath.Base(f.Name())) {
 			t.Errorf("host /tmp visible:\n%s", r.out)
 		}

@@ -54,6 +54,9 @@ var hostScript string
 //go:embed host/kernel.mjs
 var kernelScript string
 
+//go:embed host/snapshot.mjs
+var snapshotScript string
+
 // PythonVersion is the Python of the pinned Pyodide.
 const PythonVersion = "3.14.2"
 
@@ -80,7 +83,10 @@ type Options struct {
 	// Deno and Pyodide override the installed runtime: a deno binary and
 	// a directory holding pyodide.mjs.
 	Deno, Pyodide string
-	Logger        *slog.Logger
+	// Cold starts every box with a full Pyodide load instead of restoring
+	// the memory snapshot the backend makes once.
+	Cold   bool
+	Logger *slog.Logger
 }
 
 // Backend makes wasm boxes.
@@ -90,6 +96,11 @@ type Backend struct {
 	denoDir string // DENO_DIR: Deno's own caches
 	log     *slog.Logger
 	plat    platform
+	cold    bool
+
+	smu      sync.Mutex
+	snapshot string // the memory snapshot boxes restore; "" until made
+	snapErr  error  // why there is none; boxes then start cold
 
 	mu    sync.Mutex
 	boxes map[*box]struct{}
@@ -136,6 +147,7 @@ func New(opts Options) (*Backend, error) {
 		hostDir: hostDir,
 		denoDir: filepath.Join(dir, "deno-dir"),
 		log:     opts.Logger,
+		cold:    opts.Cold,
 		boxes:   map[*box]struct{}{},
 	}
 	if err := b.plat.init(b); err != nil {
@@ -148,9 +160,9 @@ func New(opts Options) (*Backend, error) {
 // of the cache named by their hash, once, and returns it. Deno may read
 // only it and the Pyodide directory.
 func writeHost(cache string) (string, error) {
-	files := map[string]string{"host.mjs": hostScript, "kernel.mjs": kernelScript, "driver.py": kernel.Driver}
+	files := map[string]string{"host.mjs": hostScript, "kernel.mjs": kernelScript, "snapshot.mjs": snapshotScript, "driver.py": kernel.Driver}
 	h := sha256.New()
-	for _, name := range []string{"host.mjs", "kernel.mjs", "driver.py"} {
+	for _, name := range []string{"host.mjs", "kernel.mjs", "snapshot.mjs", "driver.py"} {
 		fmt.Fprintf(h, "%s\x00%d\x00%s", name, len(files[name]), files[name])
 	}
 	dir := filepath.Join(cache, "host-"+hex.EncodeToString(h.Sum(nil))[:16])
@@ -205,6 +217,7 @@ func (b *Backend) Notes() []string {
 // config is what host.mjs gets as its argument.
 type config struct {
 	Pyodide  string   `json:"pyodide"`
+	Snapshot string   `json:"snapshot,omitempty"`
 	Driver   string   `json:"driver"`
 	Preload  []string `json:"preload"`
 	Memory   int64    `json:"memory"`
@@ -217,9 +230,14 @@ func heapMiB(mem int64) int64 { return max(128, mem>>20/4) }
 
 // Args are the deno arguments that start a box: everything not granted is
 // denied, and nothing is prompted for.
-func (b *Backend) args(l sandbox.Limits, preload []string) []string {
+func (b *Backend) args(l sandbox.Limits, preload []string, snapshot string) []string {
+	read := b.rt.Pyodide + "," + b.hostDir
+	if snapshot != "" {
+		read += "," + snapshot
+	}
 	cfg, _ := json.Marshal(config{
 		Pyodide:  b.rt.Pyodide,
+		Snapshot: snapshot,
 		Driver:   filepath.Join(b.hostDir, "driver.py"),
 		Preload:  preload,
 		Memory:   l.MemoryBytes,
@@ -234,7 +252,7 @@ func (b *Backend) args(l sandbox.Limits, preload []string) []string {
 		"--no-lock",
 		"--cached-only",
 		"--quiet",
-		"--allow-read=" + b.rt.Pyodide + "," + b.hostDir,
+		"--allow-read=" + read,
 		"--v8-flags=--max-old-space-size=" + strconv.FormatInt(heapMiB(l.MemoryBytes), 10),
 		filepath.Join(b.hostDir, "host.mjs"),
 		string(cfg),
@@ -245,12 +263,12 @@ func (b *Backend) args(l sandbox.Limits, preload []string) []string {
 // Pyodide is loaded.
 func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbox, error) {
 	l := spec.Limits.WithDefaults()
-	cmd := exec.Command(b.rt.Deno, b.args(l, spec.Preload)...)
-	cmd.Env = []string{
-		"DENO_DIR=" + b.denoDir,
-		"DENO_NO_UPDATE_CHECK=1",
-		"NO_COLOR=1",
+	snap := ""
+	if !b.cold {
+		snap = b.ensureSnapshot(ctx)
 	}
+	cmd := exec.Command(b.rt.Deno, b.args(l, spec.Preload, snap)...)
+	cmd.Env = b.env()
 	cmd.Dir = b.hostDir
 	b.plat.prepare(cmd)
 	inR, stdin, err := os.Pipe()

@@ -125,12 +125,16 @@ async function init(msg) {
   cfg = msg.init;
   capMemory(cfg.memory);
   const { loadPyodide } = await import(new URL("file://" + cfg.pyodide + "/pyodide.mjs").href);
-  py = await loadPyodide({
-    indexURL: cfg.pyodide + "/",
-    env: { HOME, XDG_CACHE_HOME: HOME + "/.cache" },
-    stdout: undefined,
-    stderr: undefined,
-  });
+  const opts = { indexURL: cfg.pyodide + "/", env: { HOME, XDG_CACHE_HOME: HOME + "/.cache" } };
+  py = null;
+  if (cfg.snapshot) {
+    try {
+      py = await loadPyodide({ ...opts, _loadSnapshot: Deno.readFileSync(cfg.snapshot) });
+    } catch (e) {
+      console.error("kiln wasm kernel: restoring the snapshot failed, starting cold:", String(e).slice(0, 1000));
+    }
+  }
+  if (!py) py = await loadPyodide(opts);
   py.setStdout(capture(1));
   py.setStderr(capture(2));
   py.setInterruptBuffer(msg.interruptBuffer);
@@ -146,8 +150,13 @@ async function init(msg) {
   ns.set("_glue", GLUE);
   ns.set("_preload", (cfg.preload || []).join(","));
   py.runPython(`
-import os
+import os, sys
+os.environ["HOME"] = "${HOME}"
+os.environ["XDG_CACHE_HOME"] = "${HOME}/.cache"
 os.chdir("${WORKSPACE}")
+# A box restored from a snapshot starts with its maker's generator state.
+if "random" in sys.modules:
+    sys.modules["random"].seed()
 os.environ["KILN_ZYGOTE"] = "def zygote_main():\\n    pass\\n"
 os.environ["KILN_PRELOAD"] = _preload
 exec(compile(_src, "<kiln-driver>", "exec"), globals())
@@ -158,6 +167,16 @@ def _kiln_no_system(command):
 import posix
 os.system = posix.system = _kiln_no_system
 del posix
+# Emscripten answers name lookups with made-up addresses; a wasm box has
+# no network, so a lookup fails as it would on a host without one.
+import socket, _socket
+def _kiln_no_dns(*args, **kwargs):
+    raise socket.gaierror(socket.EAI_NONAME, "Name or service not known (a wasm sandbox has no network)")
+for _m in (socket, _socket):
+    for _n in ("getaddrinfo", "gethostbyname", "gethostbyname_ex", "gethostbyaddr"):
+        if hasattr(_m, _n):
+            setattr(_m, _n, _kiln_no_dns)
+del _m, _n, socket, _socket
 del _src, _glue, _preload
 `, { globals: ns });
   cell = ns.get("_kiln_cell");
