@@ -19,7 +19,9 @@ import (
 
 // newTestBackend returns the backend on the pinned runtime. Without it the
 // tests skip, unless KILN_TEST_WASM=1 (CI), which installs it first.
-func newTestBackend(t *testing.T) *Backend {
+func newTestBackend(t *testing.T) *Backend { return newTestBackendWith(t, Options{}) }
+
+func newTestBackendWith(t *testing.T, opts Options) *Backend {
 	t.Helper()
 	if _, err := Installed(""); err != nil {
 		if os.Getenv("KILN_TEST_WASM") != "1" {
@@ -31,7 +33,7 @@ func newTestBackend(t *testing.T) *Backend {
 			t.Fatalf("installing the wasm runtime: %v", err)
 		}
 	}
-	b, err := New(Options{})
+	b, err := New(opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -45,8 +47,14 @@ var conformance = sandboxtest.Options{NoShell: "the wasm backend has none: " + N
 
 var _ sandboxtest.LeakChecker = (*Backend)(nil)
 
+// TestConformance runs the suite on boxes restored from the memory
+// snapshot, TestConformanceCold on boxes that load Pyodide from scratch.
 func TestConformance(t *testing.T) {
 	sandboxtest.RunWith(t, newTestBackend(t), conformance)
+}
+
+func TestConformanceCold(t *testing.T) {
+	sandboxtest.RunWith(t, newTestBackendWith(t, Options{Cold: true}), conformance)
 }
 
 func newBox(t *testing.T, b *Backend, mem int64) sandbox.Sandbox {
