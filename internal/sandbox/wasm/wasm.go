@@ -221,6 +221,8 @@ type config struct {
 	Driver   string   `json:"driver"`
 	Preload  []string `json:"preload"`
 	Memory   int64    `json:"memory"`
+	FSBytes  int64    `json:"fsBytes"`
+	Inodes   int      `json:"inodes"`
 	MaxWrite int      `json:"maxWrite"`
 }
 
@@ -241,6 +243,8 @@ func (b *Backend) args(l sandbox.Limits, preload []string, snapshot string) []st
 		Driver:   filepath.Join(b.hostDir, "driver.py"),
 		Preload:  preload,
 		Memory:   l.MemoryBytes,
+		FSBytes:  l.WorkspaceBytes + l.TmpBytes,
+		Inodes:   l.Inodes,
 		MaxWrite: maxWrite,
 	})
 	return []string{

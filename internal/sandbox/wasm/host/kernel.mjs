@@ -99,6 +99,43 @@ function capMemory(cap) {
   Object.freeze(WebAssembly.Memory.prototype);
 }
 
+// capFiles bounds the in-memory filesystem (the workspace, /tmp, home):
+// file contents live in JavaScript buffers outside both V8's heap cap and
+// Pyodide's, so they get caps of their own, as a tmpfs would: bytes over
+// maxBytes or files over maxNodes fail with ENOSPC. Counting starts now:
+// Pyodide's own files are not charged.
+function capFiles(maxBytes, maxNodes) {
+  const FS = py.FS;
+  const MEMFS = FS.filesystems.MEMFS;
+  const ENOSPC = 51;
+  let bytes = 0, nodes = 0;
+  const size = (node) => (node && node.contents && node.contents.length) || 0;
+  for (const name of ["expandFileStorage", "resizeFileStorage"]) {
+    const orig = MEMFS[name];
+    MEMFS[name] = function (node, n) {
+      const before = size(node);
+      if (n > before && bytes - before + n > maxBytes) throw new FS.ErrnoError(ENOSPC);
+      orig.call(this, node, n);
+      bytes += size(node) - before;
+    };
+  }
+  const createNode = FS.createNode;
+  FS.createNode = function (...args) {
+    if (nodes >= maxNodes) throw new FS.ErrnoError(ENOSPC);
+    const node = createNode.apply(this, args);
+    nodes++;
+    return node;
+  };
+  const destroyNode = FS.destroyNode;
+  FS.destroyNode = function (node) {
+    // A file still open keeps its contents: they stay charged (for
+    // good, which errs on the safe side).
+    if (!FS.streams.some((st) => st && st.node === node)) bytes -= size(node);
+    nodes = Math.max(0, nodes - 1);
+    return destroyNode.call(this, node);
+  };
+}
+
 const GLUE = `
 import json as _json, os as _os, sys as _sys
 
@@ -179,6 +216,7 @@ for _m in (socket, _socket):
 del _m, _n, socket, _socket
 del _src, _glue, _preload
 `, { globals: ns });
+  capFiles(cfg.fsBytes, cfg.inodes);
   cell = ns.get("_kiln_cell");
   const preloaded = ns.get("_kiln_preloaded").toJs();
   const version = py.runPython("import sys; sys.version.split()[0]");
