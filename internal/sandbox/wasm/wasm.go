@@ -83,6 +83,9 @@ type Options struct {
 	// Deno and Pyodide override the installed runtime: a deno binary and
 	// a directory holding pyodide.mjs.
 	Deno, Pyodide string
+	// Wheels is a directory of wheels (pure Python, or built for this
+	// Pyodide) every box loads at start, with no network.
+	Wheels string
 	// Cold starts every box with a full Pyodide load instead of restoring
 	// the memory snapshot the backend makes once.
 	Cold   bool
@@ -91,12 +94,14 @@ type Options struct {
 
 // Backend makes wasm boxes.
 type Backend struct {
-	rt      Runtime
-	hostDir string // host.mjs, kernel.mjs and driver.py
-	denoDir string // DENO_DIR: Deno's own caches
-	log     *slog.Logger
-	plat    platform
-	cold    bool
+	rt         Runtime
+	hostDir    string // host.mjs, kernel.mjs and driver.py
+	denoDir    string // DENO_DIR: Deno's own caches
+	log        *slog.Logger
+	plat       platform
+	cold       bool
+	wheels     string   // the wheel directory Deno may read; "" for none
+	wheelFiles []string // the wheels in it
 
 	smu      sync.Mutex
 	snapshot string // the memory snapshot boxes restore; "" until made
@@ -142,13 +147,24 @@ func New(opts Options) (*Backend, error) {
 	if err != nil {
 		return nil, err
 	}
+	var wheelFiles []string
+	if opts.Wheels != "" {
+		if opts.Wheels, err = filepath.Abs(opts.Wheels); err != nil {
+			return nil, err
+		}
+		if wheelFiles, err = filepath.Glob(filepath.Join(opts.Wheels, "*.whl")); err != nil || len(wheelFiles) == 0 {
+			return nil, fmt.Errorf("--wasm-wheels: no .whl files in %s", opts.Wheels)
+		}
+	}
 	b := &Backend{
-		rt:      rt,
-		hostDir: hostDir,
-		denoDir: filepath.Join(dir, "deno-dir"),
-		log:     opts.Logger,
-		cold:    opts.Cold,
-		boxes:   map[*box]struct{}{},
+		wheels:     opts.Wheels,
+		wheelFiles: wheelFiles,
+		rt:         rt,
+		hostDir:    hostDir,
+		denoDir:    filepath.Join(dir, "deno-dir"),
+		log:        opts.Logger,
+		cold:       opts.Cold,
+		boxes:      map[*box]struct{}{},
 	}
 	if err := b.plat.init(b); err != nil {
 		return nil, err
@@ -200,12 +216,30 @@ func (b *Backend) Name() string { return "wasm" }
 // Runtime describes what code in a box can use.
 func (b *Backend) Runtime() sandbox.Runtime {
 	return sandbox.Runtime{
-		Python:  PythonVersion + " (Pyodide " + PyodideVersion + ", WebAssembly)",
-		NoShell: NoShellReason,
+		Python:    PythonVersion + " (Pyodide " + PyodideVersion + ", WebAssembly)",
+		NoShell:   NoShellReason,
+		Libraries: b.libraries(),
 		Notes: []string{
-			"Only Python's standard library is available: no pip, no third-party packages, no subprocesses or threads. Files live in memory and count against the memory limit.",
+			"Only Python's standard library" + b.wheelNote() + " is available: no pip, no installing packages, no subprocesses or threads, no network.",
 		},
 	}
+}
+
+// libraries are the distributions of the configured wheels.
+func (b *Backend) libraries() []string {
+	var out []string
+	for _, w := range b.wheelFiles {
+		name, _, _ := strings.Cut(filepath.Base(w), "-")
+		out = append(out, name)
+	}
+	return out
+}
+
+func (b *Backend) wheelNote() string {
+	if len(b.wheelFiles) == 0 {
+		return ""
+	}
+	return " and the preinstalled " + strings.Join(b.libraries(), ", ")
 }
 
 // Notes are caveats for kiln doctor.
@@ -218,6 +252,7 @@ func (b *Backend) Notes() []string {
 type config struct {
 	Pyodide  string   `json:"pyodide"`
 	Snapshot string   `json:"snapshot,omitempty"`
+	Wheels   []string `json:"wheels,omitempty"`
 	Driver   string   `json:"driver"`
 	Preload  []string `json:"preload"`
 	Memory   int64    `json:"memory"`
@@ -237,9 +272,13 @@ func (b *Backend) args(l sandbox.Limits, preload []string, snapshot string) []st
 	if snapshot != "" {
 		read += "," + snapshot
 	}
+	if b.wheels != "" {
+		read += "," + b.wheels
+	}
 	cfg, _ := json.Marshal(config{
 		Pyodide:  b.rt.Pyodide,
 		Snapshot: snapshot,
+		Wheels:   b.wheelFiles,
 		Driver:   filepath.Join(b.hostDir, "driver.py"),
 		Preload:  preload,
 		Memory:   l.MemoryBytes,

@@ -1,12 +1,14 @@
 package wasm
 
 import (
+	"archive/zip"
 	"context"
 	"errors"
 	"fmt"
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -274,5 +276,35 @@ func TestDenoArgs(t *testing.T) {
 		if strings.Contains(args, grant) {
 			t.Errorf("deno args grant %q: %s", grant, args)
 		}
+	}
+}
+
+// TestWheels: a pure-Python wheel in the configured directory is
+// importable in every box, with no network.
+func TestWheels(t *testing.T) {
+	dir := t.TempDir()
+	f, err := os.Create(filepath.Join(dir, "kilnwheel-0.1-py3-none-any.whl"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	zw := zip.NewWriter(f)
+	for name, body := range map[string]string{
+		"kilnwheel/__init__.py":            "def hello():\n    return 'hello from a wheel'\n",
+		"kilnwheel-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: kilnwheel\nVersion: 0.1\n",
+		"kilnwheel-0.1.dist-info/WHEEL":    "Wheel-Version: 1.0\nGenerator: kiln-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+		"kilnwheel-0.1.dist-info/RECORD":   "",
+	} {
+		w, _ := zw.Create(name)
+		w.Write([]byte(body))
+	}
+	zw.Close()
+	f.Close()
+	b := newTestBackendWith(t, Options{Wheels: dir})
+	if rt := b.Runtime(); !slices.Contains(rt.Libraries, "kilnwheel") {
+		t.Errorf("runtime: %+v", rt)
+	}
+	out, errText := run(t, newBox(t, b, 0), "import kilnwheel\nkilnwheel.hello()")
+	if out != "'hello from a wheel'" {
+		t.Errorf("wheel: %q %s", out, errText)
 	}
 }

@@ -172,6 +172,14 @@ async function init(msg) {
     }
   }
   if (!py) py = await loadPyodide(opts);
+  if (cfg.wheels && cfg.wheels.length) {
+    // The configured local wheels, read from the one directory Deno may
+    // read them from: no network.
+    await py.loadPackage(cfg.wheels.map((w) => new URL("file://" + w).href), {
+      messageCallback: () => {},
+      errorCallback: (m) => console.error("kiln wasm kernel:", m),
+    });
+  }
   py.setStdout(capture(1));
   py.setStderr(capture(2));
   py.setInterruptBuffer(msg.interruptBuffer);
