@@ -6,6 +6,7 @@ import (
 	"compress/gzip"
 	"crypto/sha512"
 	"encoding/base64"
+	"errors"
 	"os"
 	"path/filepath"
 	"strings"
@@ -77,5 +78,14 @@ func TestPinned(t *testing.T) {
 	}
 	if !strings.HasPrefix(pyodidePkg.integrity, "sha512-") {
 		t.Errorf("pyodide: %+v", pyodidePkg)
+	}
+}
+
+// TestNotInstalled: without the runtime, the backend names the command
+// that installs it (kiln doctor prints this).
+func TestNotInstalled(t *testing.T) {
+	_, err := New(Options{Dir: t.TempDir()})
+	if !errors.Is(err, ErrNotInstalled) || !strings.Contains(err.Error(), "kiln wasm install") {
+		t.Errorf("New without a runtime: %v", err)
 	}
 }
