@@ -102,7 +102,7 @@ var cases = []testCase{
 		box := s.box(t)
 		var r *resultView
 		if s.opts.NoShell != "" {
-			r = py(t, s, box, fmt.Sprintf("import os\nfor d in ('/tmp', '/root', '/home', '/etc'):\n    try:\n        print(d, os.listdir(d))\n    except OSError as e:\n        print(d, e)\nfor p in (%q, '/etc/shadow'):\n    try:\n        print(open(p).read())\n    except OSError as e:\n        print(p, e)", f.Name()))
+			r = py(t, s, box, fmt.Sprintf("import os\nfor d in ('/tmp', '/root', '/home', '/etc'):\n    try:\n        print(d, os.listdir(d))\n    except OSError as e:\n        print(d, e.strerror)\nfor p in (%q, '/etc/shadow'):\n    try:\n        print(open(p).read())\n    except OSError as e:\n        print(e.strerror)", f.Name()))
 		} else {
 			r = sh(t, s, box, fmt.Sprintf("ls -la /tmp /root /home 2>&1; cat %s 2>/dev/null; cat /etc/shadow 2>&1; grep -rl %s /tmp /root /home /etc 2>/dev/null | head", f.Name(), c[:20]))
 		}

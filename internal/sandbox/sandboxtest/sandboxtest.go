@@ -44,6 +44,11 @@ type Options struct {
 	// (wasm: Python in WebAssembly, no operating system). Cases that need
 	// one skip with that reason; the rest run, some through Python.
 	NoShell string
+	// NoOS, when set, says why code in the backend's boxes reaches no
+	// operating system (wasm: libc's syscalls, signals, processes and
+	// threads do not exist there). Cases that probe the kernel's
+	// mechanisms skip with that reason.
+	NoOS string
 }
 
 var (
@@ -176,6 +181,15 @@ func (s *suite) needShell(t *testing.T) {
 	t.Helper()
 	if s.opts.NoShell != "" {
 		t.Skipf("needs a shell, and %s", s.opts.NoShell)
+	}
+}
+
+// needOS skips a case that probes the kernel's mechanisms on a backend
+// whose code reaches no operating system.
+func (s *suite) needOS(t *testing.T) {
+	t.Helper()
+	if s.opts.NoOS != "" {
+		t.Skipf("probes the kernel's mechanisms, and %s", s.opts.NoOS)
 	}
 }
 

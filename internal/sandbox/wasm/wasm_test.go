@@ -45,7 +45,11 @@ func newTestBackendWith(t *testing.T, opts Options) *Backend {
 
 // conformance is how the shared suite runs on wasm: no shell, and
 // Pyodide's heap cap turns a memory bomb into a MemoryError.
-var conformance = sandboxtest.Options{NoShell: "the wasm backend has none: " + NoShellReason, Scale: 2}
+var conformance = sandboxtest.Options{
+	NoShell: "the wasm backend has none: " + NoShellReason,
+	NoOS:    "wasm boxes have none: Python runs in WebAssembly, where libc's syscalls, signals, processes, threads and ctypes into libc do not exist",
+	Scale:   2,
+}
 
 var _ sandboxtest.LeakChecker = (*Backend)(nil)
 

@@ -215,8 +215,8 @@ del posix
 # Emscripten answers name lookups with made-up addresses; a wasm box has
 # no network, so a lookup fails as it would on a host without one.
 import socket, _socket
-def _kiln_no_dns(*args, **kwargs):
-    raise socket.gaierror(socket.EAI_NONAME, "Name or service not known (a wasm sandbox has no network)")
+def _kiln_no_dns(*args, _err=socket.gaierror, _code=socket.EAI_NONAME, **kwargs):
+    raise _err(_code, "Name or service not known (a wasm sandbox has no network)")
 for _m in (socket, _socket):
     for _n in ("getaddrinfo", "gethostbyname", "gethostbyname_ex", "gethostbyaddr"):
         if hasattr(_m, _n):
