@@ -225,7 +225,7 @@ print("\n".join(out))`, port)
 			t.Errorf("kernel reads written file: %q", r.value())
 		}
 		if s.opts.NoShell != "" {
-			py(t, s, box, "import os\nos.symlink('/etc/passwd', '/work/link'); os.symlink('/', '/work/rootlink'); os.symlink('../../..', '/work/dir/up')")
+			pyOK(t, s, box, "import os\nos.symlink('/etc/passwd', '/work/link'); os.symlink('/', '/work/rootlink'); os.symlink('../../..', '/work/dir/up')")
 		} else {
 			sh(t, s, box, "ln -s /etc/passwd /work/link; ln -s / /work/rootlink; ln -s ../../.. /work/dir/up")
 		}

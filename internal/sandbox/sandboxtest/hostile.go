@@ -110,6 +110,14 @@ var hostile = []hostileCase{
 	{"read another box's workspace, /tmp and processes", "a second box sees none of the first box's files or processes", func(t *testing.T, s *suite) {
 		c := canary()
 		a, b := s.box(t), s.box(t)
+		if s.opts.NoShell != "" {
+			pyOK(t, s, a, fmt.Sprintf("open('/work/secret', 'w').write(%q); open('/tmp/secret', 'w').write(%q)", c, c))
+			r := py(t, s, b, "import os\nfor p in ('/work/secret', '/tmp/secret'):\n    try:\n        print(open(p).read())\n    except OSError as e:\n        print(e.strerror)\nprint(os.listdir('/work'), os.listdir('/tmp'))")
+			if strings.Contains(r.out, c) {
+				t.Errorf("the second box sees the first's files:\n%s", r.out)
+			}
+			return
+		}
 		sh(t, s, a, fmt.Sprintf("echo %s > /work/secret; echo %s > /tmp/secret; echo %s > /dev/shm/secret 2>/dev/null; (exec -a other-%s sleep 600 >/dev/null 2>&1 &)", c, c, c, hostileMarker))
 		r := sh(t, s, b, fmt.Sprintf("cat /work/secret /tmp/secret /dev/shm/secret 2>&1; grep -rs '%s[%s]' /work /tmp /dev/shm 2>/dev/null | head; cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '", c[:len(c)-1], c[len(c)-1:]))
 		if strings.Contains(r.out, c) || strings.Contains(r.out, "other-"+hostileMarker) {
@@ -529,9 +537,23 @@ mkdir -p ~/.local/lib/python3/site-packages ~/.ipython; echo 'import os; os.envi
 	{"file tools: absolute paths, .., and planted symlinks", "no read, write or list leaves the workspace, whatever links the box planted", func(t *testing.T, s *suite) {
 		box := s.box(t)
 		ctx := s.ctx(t, 60*time.Second)
-		sh(t, s, box, `cd /work; mkdir -p d/e; ln -s /etc/passwd abs; ln -s ../../../../etc/passwd d/e/rel; ln -s / root; ln -s /proc/1/environ env
+		if s.opts.NoShell != "" {
+			pyOK(t, s, box, `import os
+os.chdir("/work"); os.makedirs("d/e")
+for target, name in [("/etc/passwd", "abs"), ("../../../../etc/passwd", "d/e/rel"), ("/", "root"), ("/proc/1/environ", "env"),
+        ("/proc/self/root", "selfroot"), ("loop1", "loop2"), ("loop2", "loop1"), ("/tmp", "tmp"), ("/dev/zero", "zero"),
+        ("/dev/stdin", "stdin"), ("..", "d/up"), ("/work/../etc", "dotdot")]:
+    os.symlink(target, name)
+if hasattr(os, "mkfifo"):
+    os.mkfifo("fifo")
+else:
+    os.mkdir("fifo")  # no FIFOs here; a directory must refuse the write too
+open("/tmp/outside", "w").write("secret\n")`)
+		} else {
+			sh(t, s, box, `cd /work; mkdir -p d/e; ln -s /etc/passwd abs; ln -s ../../../../etc/passwd d/e/rel; ln -s / root; ln -s /proc/1/environ env
 ln -s /proc/self/root selfroot; ln -s loop1 loop2; ln -s loop2 loop1; ln -s /tmp tmp; ln -s /dev/zero zero; ln -s /dev/stdin stdin
 mkfifo fifo; ln -s .. d/up; ln -s /work/../etc dotdot; echo secret > /tmp/outside`)
+		}
 		paths := []string{"/etc/passwd", "/work/../etc/passwd", "../etc/passwd", "d/../../etc/passwd", "abs", "d/e/rel", "root/etc/passwd",
 			"env", "selfroot/etc/passwd", "loop1", "tmp/outside", "zero", "stdin", "fifo", "d/up/../etc/passwd", "dotdot/passwd",
 			"/proc/self/environ", "/tmp/outside", "//etc/passwd", "/work/./../tmp/outside", "./../tmp/outside", "d/e/rel/x"}
@@ -566,7 +588,12 @@ mkfifo fifo; ln -s .. d/up; ln -s /work/../etc dotdot; echo secret > /tmp/outsid
 			}
 			_ = err
 		}
-		r := sh(t, s, box, "cat /tmp/outside; head -c 20 /etc/passwd | head -1")
+		var r *resultView
+		if s.opts.NoShell != "" {
+			r = py(t, s, box, "print(open('/tmp/outside').read(), end='')")
+		} else {
+			r = sh(t, s, box, "cat /tmp/outside; head -c 20 /etc/passwd | head -1")
+		}
 		if !strings.HasPrefix(r.Stdout.Text, "secret\n") {
 			t.Errorf("a file outside the workspace changed: %q", r.Stdout.Text)
 		}

@@ -166,6 +166,16 @@ func py(t *testing.T, s *suite, box sandbox.Sandbox, code string) *resultView {
 	return view(res)
 }
 
+// pyOK is py for set-up code, which must not raise.
+func pyOK(t *testing.T, s *suite, box sandbox.Sandbox, code string) *resultView {
+	t.Helper()
+	r := py(t, s, box, code)
+	if r.Error != nil {
+		t.Fatalf("setting up: %s: %s\n%s", r.Error.Name, r.Error.Value, r.Error.Traceback)
+	}
+	return r
+}
+
 func sh(t *testing.T, s *suite, box sandbox.Sandbox, command string) *resultView {
 	t.Helper()
 	s.needShell(t)
