@@ -4,9 +4,9 @@ export CGO_ENABLED := 0
 GO      ?= go
 BIN     := bin
 APT_RUNTIME := python3 python3-numpy python3-pandas python3-matplotlib
-APT_TEST    := iproute2 nftables curl qemu-system-x86 debootstrap e2fsprogs
+APT_TEST    := iproute2 nftables curl qemu-system-x86 debootstrap e2fsprogs systemd
 
-.PHONY: all build run serve demo test test-go test-e2e deps deps-runtime deps-test runsc wasm lint race fuzz clean
+.PHONY: all build run serve demo test test-go test-e2e conformance deps deps-runtime deps-test runsc wasm lint race fuzz clean
 
 all: build
 
@@ -29,6 +29,7 @@ deps-test: deps-runtime
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 	cd e2e && npm ci --no-audit --no-fund --loglevel=error
+	cd e2e/conformance && npm ci --no-audit --no-fund --loglevel=error
 
 deps: deps-runtime
 
@@ -43,7 +44,7 @@ demo: deps-runtime build
 	$(BIN)/kiln run --images . -c 'import matplotlib.pyplot as plt; p=[n for n in range(2,80) if all(n%d for d in range(2,n))][:20]; print(p); plt.plot([b-a for a,b in zip(p,p[1:])], marker="o"); plt.title("gaps between the first 20 primes"); plt.show()'
 
 # The test command (README, .ci/run).
-test: deps-test build test-go test-e2e
+test: deps-test build test-go test-e2e conformance
 
 test-go:
 	$(GO) test -count=1 -timeout 30m ./...
@@ -51,11 +52,18 @@ test-go:
 test-e2e: build
 	cd e2e && KILN_BIN=$(CURDIR)/$(BIN)/kiln node --test --test-concurrency=1
 
+# The official MCP conformance suite (server mode) against kiln serve,
+# without and with a token; e2e/conformance/expected-failures.yml lists
+# the scenarios that need the suite's own fixtures. Needs `make deps-test`
+# (npm ci in e2e/conformance, which brings Node 22 from npm).
+conformance: build
+	cd e2e/conformance && KILN_BIN=$(CURDIR)/$(BIN)/kiln node run.mjs
+
 # Habits CI keeps: formatting, vet for linux and darwin (the darwin stubs
 # must keep compiling), staticcheck (pinned in go.mod as a Go tool) and a
 # tidy go.mod.
 lint:
-	@out=$$(gofmt -l cmd internal); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	@out=$$(gofmt -l cmd internal contrib); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 	GOOS=darwin $(GO) vet ./...
 	$(GO) tool staticcheck ./...

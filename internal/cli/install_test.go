@@ -74,14 +74,15 @@ func TestMergeDesktopConfig(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			var out bytes.Buffer
+			var backup string
 			err := func() (err error) {
 				defer func() {
 					if r := recover(); r != nil {
 						t.Fatalf("panic: %v", r)
 					}
 				}()
-				return mergeDesktopConfig(path, entry, &out)
+				_, backup, err = mergeEntry(path, "mcpServers", entry, false)
+				return err
 			}()
 			got, _ := os.ReadFile(path)
 			if tt.wantErr != "" {
@@ -107,15 +108,14 @@ func TestMergeDesktopConfig(t *testing.T) {
 			}
 			if tt.old != nil {
 				// The old file is kept, byte for byte, as a backup.
-				bak, err := os.ReadFile(path + ".bak")
-				if err != nil || string(bak) != *tt.old {
-					t.Errorf("backup: %v %q, want the old file", err, bak)
+				bak, err := os.ReadFile(backup)
+				if err != nil || string(bak) != *tt.old || !strings.HasPrefix(backup, path+".bak-") {
+					t.Errorf("backup %s: %v %q, want the old file", backup, err, bak)
 				}
-				noLeftovers(t, filepath.Dir(path), "claude_desktop_config.json", "claude_desktop_config.json.bak")
+				noLeftovers(t, filepath.Dir(path), "claude_desktop_config.json", filepath.Base(backup))
 			} else {
 				noLeftovers(t, filepath.Dir(path), "claude_desktop_config.json")
 			}
-			wantIn(t, out.String(), path)
 		})
 	}
 }
@@ -132,7 +132,7 @@ func TestMergeDesktopConfigAtomic(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	if err := mergeDesktopConfig(path, map[string]any{"command": "k"}, io.Discard); err != nil {
+	if _, _, err := mergeEntry(path, "mcpServers", map[string]any{"command": "k"}, false); err != nil {
 		t.Fatal(err)
 	}
 	b, _ := io.ReadAll(f)
@@ -151,7 +151,7 @@ func TestMergeDesktopConfigSymlink(t *testing.T) {
 	if err := os.Symlink(target, path); err != nil {
 		t.Skipf("cannot make a symlink: %v", err)
 	}
-	err := mergeDesktopConfig(path, map[string]any{"command": "k"}, io.Discard)
+	_, _, err := mergeEntry(path, "mcpServers", map[string]any{"command": "k"}, false)
 	if err == nil || !strings.Contains(err.Error(), "symbolic link") {
 		t.Errorf("err = %v, want a refusal that names the symbolic link", err)
 	}

@@ -379,7 +379,8 @@ type capEntry struct {
 }
 
 // ErrTooManySessions is the answer to an initialize past the cap when
-// every session of the principal has a request in flight.
+// every session of the principal has a request in flight (an open
+// standalone SSE stream does not count).
 var ErrTooManySessions = errors.New("too many open MCP sessions for this principal; end one (DELETE /mcp) and retry")
 
 func httpPrincipal(r *http.Request) string {
@@ -396,7 +397,11 @@ func (c *sessionCap) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	}
 	who := httpPrincipal(r)
 	if sid := r.Header.Get("Mcp-Session-Id"); sid != "" {
-		defer c.use(sid, who)()
+		// A GET is the session's standalone SSE stream, which clients
+		// of the official SDKs hold open for the session's life: it is
+		// not work in flight, so it does not keep the session from
+		// being closed to make room.
+		defer c.use(sid, who, r.Method != http.MethodGet)()
 		next.ServeHTTP(w, r)
 		return
 	}
@@ -412,16 +417,20 @@ func (c *sessionCap) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	next.ServeHTTP(w, r)
 }
 
-// use marks session sid busy for one request of principal who.
-func (c *sessionCap) use(sid, who string) (done func()) {
+// use records a request of principal who in session sid and, if busy,
+// marks the session busy until the request is done.
+func (c *sessionCap) use(sid, who string, busy bool) (done func()) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	e := c.byID[sid]
 	if e == nil || e.principal != who {
 		return func() {}
 	}
-	e.busy++
 	e.last = time.Now()
+	if !busy {
+		return func() {}
+	}
+	e.busy++
 	return func() {
 		c.mu.Lock()
 		defer c.mu.Unlock()

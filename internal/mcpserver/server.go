@@ -53,6 +53,7 @@ func New(opts Options) *Server {
 		Instructions: s.instructions(),
 		Logger:       opts.Logger,
 	})
+	s.mcp.AddReceivingMiddleware(undeclared)
 	s.addTools()
 	return s
 }
