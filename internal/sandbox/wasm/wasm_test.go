@@ -166,7 +166,7 @@ func TestEscapes(t *testing.T) {
 				return
 			}
 			var out string
-			for i := 0; i < 100; i++ {
+			for i := 0; i < 400; i++ {
 				out, _ = run(t, box, "_r")
 				if out != "{}" {
 					break
