@@ -84,7 +84,7 @@ func (b *Backend) makeSnapshot(ctx context.Context, p string) error {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, b.rt.Deno, "run",
-		"--no-prompt", "--no-remote", "--no-npm", "--no-config", "--no-lock", "--cached-only", "--quiet",
+		"--no-prompt", "--no-remote", "--no-npm", "--no-config", "--no-lock", "--cached-only", "--no-code-cache", "--quiet",
 		"--allow-read="+b.rt.Pyodide+","+b.hostDir,
 		"--allow-write="+tmp,
 		filepath.Join(b.hostDir, "snapshot.mjs"), b.rt.Pyodide, tmp)

@@ -96,7 +96,7 @@ type Options struct {
 type Backend struct {
 	rt         Runtime
 	hostDir    string // host.mjs, kernel.mjs and driver.py
-	denoDir    string // DENO_DIR: Deno's own caches
+	denoDir    string // DENO_DIR: a path that cannot exist
 	log        *slog.Logger
 	plat       platform
 	cold       bool
@@ -161,10 +161,14 @@ func New(opts Options) (*Backend, error) {
 		wheelFiles: wheelFiles,
 		rt:         rt,
 		hostDir:    hostDir,
-		denoDir:    filepath.Join(dir, "deno-dir"),
-		log:        opts.Logger,
-		cold:       opts.Cold,
-		boxes:      map[*box]struct{}{},
+		// Deno keeps caches (module analysis, V8 code) in DENO_DIR, and
+		// writes there whatever modules code makes it load (data: URLs):
+		// a path below a file can never be created, so every cache stays
+		// in memory and a box writes nothing to the host's disk.
+		denoDir: filepath.Join(hostDir, "driver.py", "no-deno-dir"),
+		log:     opts.Logger,
+		cold:    opts.Cold,
+		boxes:   map[*box]struct{}{},
 	}
 	if err := b.plat.init(b); err != nil {
 		return nil, err
@@ -294,6 +298,7 @@ func (b *Backend) args(l sandbox.Limits, preload []string, snapshot string) []st
 		"--no-config",
 		"--no-lock",
 		"--cached-only",
+		"--no-code-cache",
 		"--quiet",
 		"--allow-read=" + read,
 		"--v8-flags=--max-old-space-size=" + strconv.FormatInt(heapMiB(l.MemoryBytes), 10),

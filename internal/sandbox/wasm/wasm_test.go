@@ -271,7 +271,7 @@ func TestKernel(t *testing.T) {
 func TestDenoArgs(t *testing.T) {
 	b := &Backend{rt: Runtime{Deno: "/x/deno", Pyodide: "/x/pyodide"}, hostDir: "/x/host"}
 	args := strings.Join(b.args(sandbox.Limits{MemoryBytes: 1 << 30}, nil, ""), " ")
-	for _, want := range []string{"--no-prompt", "--no-remote", "--no-npm", "--cached-only", "--allow-read=/x/pyodide,/x/host ", "--max-old-space-size=256"} {
+	for _, want := range []string{"--no-prompt", "--no-remote", "--no-npm", "--cached-only", "--no-code-cache", "--allow-read=/x/pyodide,/x/host ", "--max-old-space-size=256"} {
 		if !strings.Contains(args, want) {
 			t.Errorf("deno args lack %q: %s", want, args)
 		}
@@ -310,5 +310,48 @@ func TestWheels(t *testing.T) {
 	out, errText := run(t, newBox(t, b, 0), "import kilnwheel\nkilnwheel.hello()")
 	if out != "'hello from a wheel'" {
 		t.Errorf("wheel: %q %s", out, errText)
+	}
+}
+
+// TestNoHostWrites: what code makes Deno load (data: modules, which Deno
+// would analyse and cache in DENO_DIR) leaves nothing on the host's disk.
+func TestNoHostWrites(t *testing.T) {
+	b := newTestBackend(t)
+	box := newBox(t, b, 0) // the snapshot exists from here on
+	cache, err := CacheDir("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	list := func() map[string]int64 {
+		m := map[string]int64{}
+		filepath.Walk(cache, func(p string, fi os.FileInfo, err error) error {
+			if err == nil {
+				m[p] = fi.Size()
+			}
+			return nil
+		})
+		return m
+	}
+	before := list()
+	_, errText := run(t, box, "import js\njs.eval(\"globalThis.__n = 0; for (let i = 0; i < 200; i++) import('data:text/javascript,export default ' + i + '; // kiln-' + Math.random()).then(() => __n++)\")")
+	if errText != "" {
+		t.Fatal(errText)
+	}
+	var out string
+	for i := 0; i < 400 && out != "200"; i++ {
+		out, _ = run(t, box, "js.__n")
+		time.Sleep(20 * time.Millisecond)
+	}
+	if out != "200" {
+		t.Fatalf("the modules did not load: %q", out)
+	}
+	after := list()
+	for p, size := range after {
+		if old, ok := before[p]; !ok || old != size {
+			t.Errorf("the box wrote %s (%d bytes, was %d)", p, size, old)
+		}
+	}
+	if _, err := os.Stat(b.denoDir); err == nil {
+		t.Errorf("DENO_DIR %s exists", b.denoDir)
 	}
 }
