@@ -73,7 +73,7 @@ lint:
 # the others need root and real boxes, whose timing the detector's slowdown
 # breaks.
 RACE_PKGS := ./cmd/kiln-agent ./internal/agent ./internal/agentproto ./internal/guestinit \
-	./internal/sandbox ./internal/image ./internal/bench ./internal/cli
+	./internal/sandbox ./internal/image ./internal/bench ./internal/cli ./internal/audit ./internal/metrics ./internal/oauth
 race: deps-runtime
 	CGO_ENABLED=1 $(GO) test -race -count=1 -timeout 15m $(RACE_PKGS)
 

@@ -75,8 +75,8 @@ export function freePort() {
 
 // startHTTP runs `kiln serve` on a free loopback port and waits for it to
 // answer /healthz. env adds to the server's environment (KILN_TOKEN).
-export async function startHTTP({ flags = [], env = {} } = {}) {
-  const port = await freePort();
+export async function startHTTP({ flags = [], env = {}, port: wantPort } = {}) {
+  const port = wantPort ?? (await freePort());
   const url = `http://127.0.0.1:${port}/mcp`;
   const proc = spawn(KILN, ['serve', '--addr', `127.0.0.1:${port}`, ...BASE_FLAGS, ...flags], {
     env: { ...process.env, KILN_E2E_CANARY: CANARY, ...env },

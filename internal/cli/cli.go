@@ -20,6 +20,7 @@ import (
 
 	"kiln/internal/agentproto"
 	"kiln/internal/egress"
+	"kiln/internal/event"
 	"kiln/internal/mcpserver"
 	"kiln/internal/sandbox"
 	"kiln/internal/session"
@@ -29,7 +30,7 @@ const usage = `kiln runs the code AI agents write in sandboxes that hold nothing
 
 Usage:
   kiln mcp [flags]                 MCP over stdio (Claude Desktop, Claude Code, Cursor)
-  kiln serve [--addr A] [flags]    MCP over streamable HTTP at /mcp (bearer token)
+  kiln serve [--addr A] [flags]    MCP over streamable HTTP at /mcp (bearer token, or OAuth with --auth oidc)
   kiln run -c CODE | -f FILE       run once and print the result (--shell for bash)
   kiln install claude-desktop|claude-code|cursor|vscode [--write]
   kiln config print [serve|mcp|run|doctor] [flags]
@@ -112,6 +113,8 @@ type common struct {
 	egressHosts string
 	verbose     bool
 	backends    backends // every registered backend, with its own flags
+	obs         obsFlags // audit log and metrics (kiln mcp and serve only)
+	netScope    string   // not a flag: kiln serve --auth oidc's network scope
 }
 
 func (c *common) register(fs *flag.FlagSet) {
@@ -169,7 +172,7 @@ type network struct {
 	gateway *egress.Gateway // nil when the policy is empty
 }
 
-func (c *common) network(log *slog.Logger) (*network, error) {
+func (c *common) network(log *slog.Logger, obs event.Observer) (*network, error) {
 	p, err := egress.ParsePolicy(splitList(c.allowNet)...)
 	if err != nil {
 		return nil, fmt.Errorf("--allow-net: %w", err)
@@ -178,7 +181,7 @@ func (c *common) network(log *slog.Logger) (*network, error) {
 	if p.Empty() {
 		return n, nil
 	}
-	if n.gateway, err = egress.NewGateway(egress.Options{Logger: log, HostsFile: c.egressHosts}); err != nil {
+	if n.gateway, err = egress.NewGateway(egress.Options{Logger: log, HostsFile: c.egressHosts, Observer: obs}); err != nil {
 		return nil, fmt.Errorf("starting the egress gateway: %w", err)
 	}
 	return n, nil
@@ -190,6 +193,7 @@ type stack struct {
 	backend sandbox.Backend
 	mgr     *session.Manager
 	srv     *mcpserver.Server
+	obs     *observers
 }
 
 func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
@@ -197,8 +201,13 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 	if mode != session.ModeSession && mode != session.ModePerCall {
 		return nil, fmt.Errorf("--mode must be session or per-call, not %q", c.mode)
 	}
-	net, err := c.network(log)
+	obs, err := c.obs.open(c.backend, log)
 	if err != nil {
+		return nil, err
+	}
+	net, err := c.network(log, obs.observer())
+	if err != nil {
+		obs.close()
 		return nil, err
 	}
 	maxBoxes, all := c.bounds.resolve(c.limits())
@@ -207,6 +216,7 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		if net.gateway != nil {
 			net.gateway.Close()
 		}
+		obs.close()
 		return nil, fmt.Errorf("starting %s backend: %w", c.backend, err)
 	}
 	mgr := session.NewManager(c.bounds.apply(maxBoxes, session.Options{
@@ -221,14 +231,19 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		PoolSize:       c.poolSize,
 		PoolWorkers:    c.poolWorkers,
 		Logger:         log,
+		Observer:       obs.observer(),
 	}))
 	if w, ok := b.(sandbox.Warmer); ok {
 		spec := sandbox.Spec{Limits: mgr.Options().Limits, Preload: splitList(c.preload)}
 		go func() {
 			if err := w.Warm(ctx, spec); err != nil {
 				log.Warn("preparing the template ahead of demand", "err", err)
+				return
 			}
+			obs.warm.Store(true)
 		}()
+	} else {
+		obs.warm.Store(true)
 	}
 	var rt sandbox.Runtime
 	if d, ok := b.(sandbox.Describer); ok {
@@ -238,9 +253,17 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 	if !net.policy.Empty() {
 		netDesc = egress.Describe(net.policy)
 		log.Info("egress allowed", "hosts", net.policy.String())
+		if c.netScope != "" {
+			netDesc += " Only for clients whose token holds the scope " + c.netScope + "; for others the network is cut."
+		}
 	}
-	srv := mcpserver.New(mcpserver.Options{Manager: mgr, Runtime: rt, Backend: b.Name(), Network: netDesc, Logger: log})
-	return &stack{net: net, backend: b, mgr: mgr, srv: srv}, nil
+	srv := mcpserver.New(mcpserver.Options{Manager: mgr, Runtime: rt, Backend: b.Name(), Network: netDesc, Logger: log, NetScope: c.netScope})
+	st := &stack{net: net, backend: b, mgr: mgr, srv: srv, obs: obs}
+	if err := obs.serve(c.obs.metricsAddr, mgr); err != nil {
+		st.close()
+		return nil, err
+	}
+	return st, nil
 }
 
 func (s *stack) close() {
@@ -249,6 +272,7 @@ func (s *stack) close() {
 	if s.net.gateway != nil {
 		s.net.gateway.Close()
 	}
+	s.obs.close()
 }
 
 func signalContext() (context.Context, context.CancelFunc) {
@@ -260,6 +284,7 @@ func runMCP(args []string, stdout, stderr io.Writer) error {
 	fs.SetOutput(stderr)
 	var c common
 	c.register(fs)
+	c.obs.register(fs)
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -285,9 +310,11 @@ func runServe(args []string, stderr io.Writer) error {
 	fs.SetOutput(stderr)
 	var c common
 	c.register(fs)
+	c.obs.register(fs)
 	addr := fs.String("addr", "127.0.0.1:8080", "address to listen on")
 	tokenFile := fs.String("token-file", "", "file of bearer tokens, one per line (\"principal:token\" or \"token\"), readable by its owner only; KILN_TOKEN adds one")
 	httpFlags := registerHTTPLimits(fs)
+	authF := registerAuth(fs)
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -295,25 +322,35 @@ func runServe(args []string, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	if err := mcpserver.CheckListen(*addr, toks); err != nil {
-		return err
+	if authF.mode == "oidc" && len(toks) > 0 {
+		return errors.New("KILN_TOKEN and --token-file are for --auth tokens; with --auth oidc, clients bring tokens of --oidc-issuer")
 	}
 	log := c.logger(stderr)
 	ctx, cancel := signalContext()
 	defer cancel()
+	verifier, oauthOpts, err := authF.oidc(ctx, log)
+	if err != nil {
+		return err
+	}
+	if verifier != nil {
+		defer verifier.Close()
+		c.netScope = verifier.NetScope()
+	} else if err := mcpserver.CheckListen(*addr, toks); err != nil {
+		return err
+	}
 	st, err := c.start(ctx, log)
 	if err != nil {
 		return err
 	}
 	defer st.close()
 	lim := httpFlags.limits()
-	hs, ln, err := listenHTTP(st.srv, *addr, mcpserver.HTTPOptions{Tokens: toks, Limits: &lim})
+	hs, ln, err := listenHTTP(st.srv, *addr, mcpserver.HTTPOptions{Tokens: toks, OAuth: oauthOpts, Limits: &lim})
 	if err != nil {
 		return err
 	}
 	errc := make(chan error, 1)
 	go func() { errc <- hs.Serve(ln) }()
-	log.Info("kiln serving MCP over HTTP", "url", "http://"+*addr+"/mcp", "backend", c.backend, "mode", c.mode, "auth", len(toks) > 0)
+	log.Info("kiln serving MCP over HTTP", "url", "http://"+*addr+"/mcp", "backend", c.backend, "mode", c.mode, "auth", authF.mode, "authenticated", len(toks) > 0 || verifier != nil)
 	select {
 	case err := <-errc:
 		return err

@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/miekg/dns"
+
+	"kiln/internal/event"
 )
 
 // dnsTTL is the TTL of answers; short, so a box re-asks after the host's
@@ -33,6 +35,11 @@ func (c *core) serveDNS(w dns.ResponseWriter, req *dns.Msg) {
 	}
 	q := req.Question[0]
 	name := normalizeName(q.Name)
+	if a.cut.Load() {
+		m.Rcode = dns.RcodeRefused
+		c.refuse(a, Refusal{Via: "dns", Name: name, Reason: reasonCut})
+		return
+	}
 	if q.Qclass != dns.ClassINET || !a.policy.AllowsName(name) {
 		m.Rcode = dns.RcodeRefused
 		c.refuse(a, Refusal{Via: "dns", Name: name, Reason: "not in the allowlist (allowed: " + a.policy.String() + ")"})
@@ -47,6 +54,7 @@ func (c *core) serveDNS(w dns.ResponseWriter, req *dns.Msg) {
 	if err != nil {
 		m.Rcode = dns.RcodeServerFailure
 		c.warnLimited(a, time.Now(), "egress error", "session", a.session, "via", "dns", "name", name, "verdict", "error", "err", err)
+		c.observe(a, "dns", name, 0, event.VerdictError, err.Error())
 		return
 	}
 	var v4 []netip.Addr
@@ -71,4 +79,5 @@ func (c *core) serveDNS(w dns.ResponseWriter, req *dns.Msg) {
 		})
 	}
 	c.log.Info("egress allowed", "session", a.session, "via", "dns", "name", name, "addr", strs, "verdict", "allow")
+	c.observe(a, "dns", name, 0, event.VerdictAllow, "")
 }

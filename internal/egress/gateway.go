@@ -14,8 +14,10 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
+	"kiln/internal/event"
 	"kiln/internal/sandbox/boxkit"
 )
 
@@ -36,6 +38,9 @@ var (
 // fields mean the defaults.
 type Options struct {
 	Logger *slog.Logger
+	// Observer is told of every attempt and its verdict (the audit log,
+	// the metrics); nil: no one.
+	Observer event.Observer
 
 	// Network is the pool box addresses come from. It exists only inside
 	// the gateway's own network namespace and the boxes' namespaces, never
@@ -183,6 +188,7 @@ type Attachment struct {
 	mu       sync.Mutex
 	refusals []Refusal
 	conns    map[io.Closer]struct{} // upstream connections
+	cut      atomic.Bool            // set by Cut: nothing is allowed
 	closed   bool
 	cleanup  boxkit.Cleanup
 
@@ -239,7 +245,7 @@ func (a *Attachment) addRefusal(r Refusal) {
 func (a *Attachment) track(c io.Closer) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.closed {
+	if a.closed || a.cut.Load() {
 		c.Close()
 		return false
 	}
@@ -411,6 +417,7 @@ func (c *core) refuse(a *Attachment, r Refusal) error {
 		attrs = append(attrs, "addr", r.Addr.String())
 	}
 	c.warnLimited(a, r.Time, "egress refused", attrs...)
+	c.observe(a, r.Via, r.Name, r.Port, event.VerdictRefuse, r.Reason)
 	a.addRefusal(r)
 	return &RefusedError{Refusal: r}
 }
@@ -443,6 +450,10 @@ func (c *core) dial(ctx context.Context, a *Attachment, via, name string, port u
 		refusal.Reason = "connecting by IP address is not allowed; connect by an allowed host name"
 		return nil, c.refuse(a, refusal)
 	}
+	if a.cut.Load() {
+		refusal.Reason = reasonCut
+		return nil, c.refuse(a, refusal)
+	}
 	if !a.policy.Allows(name, port) {
 		refusal.Reason = "not in the allowlist (allowed: " + a.policy.String() + ")"
 		return nil, c.refuse(a, refusal)
@@ -450,6 +461,7 @@ func (c *core) dial(ctx context.Context, a *Attachment, via, name string, port u
 	ok, blocked, err := c.resolveChecked(ctx, name)
 	if err != nil {
 		c.warnLimited(a, time.Now(), "egress error", "session", a.session, "via", via, "name", name, "port", port, "verdict", "error", "err", err)
+		c.observe(a, via, name, port, event.VerdictError, err.Error())
 		return nil, err
 	}
 	if len(ok) == 0 {
@@ -466,6 +478,7 @@ func (c *core) dial(ctx context.Context, a *Attachment, via, name string, port u
 			continue
 		}
 		c.log.Info("egress allowed", "session", a.session, "via", via, "name", name, "port", port, "addr", addr.String(), "verdict", "allow")
+		c.observe(a, via, name, port, event.VerdictAllow, "")
 		tc := &trackedConn{Conn: conn, att: a}
 		if !a.track(tc) {
 			return nil, ErrClosed
@@ -474,6 +487,7 @@ func (c *core) dial(ctx context.Context, a *Attachment, via, name string, port u
 	}
 	err = fmt.Errorf("dialing %s port %d: %w", name, port, errors.Join(errs...))
 	c.warnLimited(a, time.Now(), "egress error", "session", a.session, "via", via, "name", name, "port", port, "verdict", "error", "err", err)
+	c.observe(a, via, name, port, event.VerdictError, err.Error())
 	return nil, err
 }
 

@@ -84,6 +84,7 @@ func LoadTokens(envValue, file string) ([]Token, error) {
 // HTTPOptions configure the streamable HTTP endpoint.
 type HTTPOptions struct {
 	Tokens []Token     // empty: no authentication (loopback only; checked by ListenAndServe)
+	OAuth  *OAuth      // set: OAuth 2.1 access tokens instead of Tokens
 	Limits *HTTPLimits // nil: DefaultHTTPLimits
 }
 
@@ -216,10 +217,14 @@ func (s *Server) Handler(opts HTTPOptions) http.Handler {
 		sessions.serve(w, r, stateful)
 	})
 	h = &admitted{next: h, lim: lim, budget: newBodyBudget(lim.MaxInflightBytes)}
-	if len(opts.Tokens) > 0 {
+	mux := http.NewServeMux()
+	switch {
+	case opts.OAuth != nil:
+		h = opts.OAuth.middleware(h)
+		opts.OAuth.register(mux)
+	case len(opts.Tokens) > 0:
 		h = auth.RequireBearerToken(verifier(opts.Tokens), nil)(h)
 	}
-	mux := http.NewServeMux()
 	mux.Handle("/mcp", h)
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok\n")) })
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {

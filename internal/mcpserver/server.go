@@ -33,6 +33,9 @@ type Options struct {
 	Network string // one sentence on what boxes can reach; "" means no network
 	Backend string
 	Logger  *slog.Logger
+	// NetScope, when set, is the OAuth scope a client's token must hold
+	// for its calls to run in boxes with network (see netscope.go).
+	NetScope string
 }
 
 // Server is kiln's MCP server.
@@ -169,7 +172,7 @@ func guard[In any](s *Server, h mcp.ToolHandlerFor[In, any], sessionOf func(In) 
 			}
 			res, out, err = toolError("kiln faulted while handling this call (%v); %s", v, what), nil, nil
 		}()
-		return h(ctx, req, args)
+		return h(s.netScoped(ctx, req), req, args)
 	}
 }
 
@@ -256,7 +259,7 @@ func (s *Server) run(ctx context.Context, req *mcp.CallToolRequest, lang session
 		if err != nil {
 			return toolError("%v", err), nil, nil
 		}
-		out, produced, err := s.mgr.RunOnce(ctx, lang, code, staged, timeout)
+		out, produced, err := s.mgr.RunOnce(session.WithPrincipal(ctx, principal(req)), lang, code, staged, timeout)
 		if err != nil {
 			return s.failure(log, err), nil, nil
 		}

@@ -62,7 +62,8 @@ const (
 
 // RunOnce runs one call in a never-used box, stages files into its
 // workspace first, collects what the call wrote, and destroys the box.
-func (m *Manager) RunOnce(ctx context.Context, lang Language, code string, files map[string][]byte, timeout time.Duration) (*Outcome, []Produced, error) {
+func (m *Manager) RunOnce(ctx context.Context, lang Language, code string, files map[string][]byte, timeout time.Duration) (out *Outcome, _ []Produced, err error) {
+	defer func() { m.observeExec(ctx, principalOf(ctx), "", lang, code, out, err) }()
 	box, err := m.getBox(ctx)
 	if errors.Is(err, ErrBusy) {
 		return nil, nil, err
@@ -75,6 +76,9 @@ func (m *Manager) RunOnce(ctx context.Context, lang Language, code string, files
 	defer m.destroy(box)
 	if !m.running(box) {
 		return nil, nil, ErrShutdown
+	}
+	if err := cutIfOffline(ctx, box); err != nil {
+		return nil, nil, err
 	}
 	paths := make([]string, 0, len(files))
 	for p := range files {
@@ -98,7 +102,7 @@ func (m *Manager) RunOnce(ctx context.Context, lang Language, code string, files
 			staged[f.Path] = f
 		}
 	}
-	out, err := m.runBounded(ctx, box, timeout, func(ctx context.Context, box sandbox.Sandbox) (*agentproto.ExecResult, error) {
+	out, err = m.runBounded(ctx, box, timeout, func(ctx context.Context, box sandbox.Sandbox) (*agentproto.ExecResult, error) {
 		if lang == Shell {
 			return box.RunShell(ctx, code, sandbox.ExecOptions{MaxOutput: m.opts.MaxOutput})
 		}

@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"kiln/internal/event"
 	"kiln/internal/sandbox"
 )
 
@@ -21,6 +22,7 @@ type Pool struct {
 	spec    sandbox.Spec
 	size    int
 	log     *slog.Logger
+	obs     event.Observer
 	slots   *slots // the cap on live boxes the pool's boxes count against
 
 	ready    chan sandbox.Sandbox
@@ -38,6 +40,7 @@ type PoolOptions struct {
 	Size        int // boxes kept ready; 0 disables the pool
 	Concurrency int // boxes created at once while refilling; default 1
 	Logger      *slog.Logger
+	Observer    event.Observer // told of every box creation and pool miss
 }
 
 // NewPool starts filling a pool of boxes made from spec (its ID is
@@ -57,7 +60,7 @@ func newPool(b sandbox.Backend, spec sandbox.Spec, opts PoolOptions, sl *slots) 
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &Pool{
-		backend: b, spec: spec, size: opts.Size, log: opts.Logger, slots: sl,
+		backend: b, spec: spec, size: opts.Size, log: opts.Logger, obs: opts.Observer, slots: sl,
 		ready: make(chan sandbox.Sandbox, max(opts.Size, 1)),
 		kick:  make(chan struct{}, 1),
 		ctx:   ctx, cancel: cancel,
@@ -82,7 +85,9 @@ func newID() string {
 func (p *Pool) create(ctx context.Context) (sandbox.Sandbox, error) {
 	spec := p.spec
 	spec.ID = newID()
+	start := time.Now()
 	box, err := p.backend.Create(ctx, spec)
+	event.Emit(p.obs, event.Box{Time: time.Now(), Backend: p.backend.Name(), Duration: time.Since(start), Err: err != nil})
 	if err != nil {
 		p.slots.release()
 		return nil, err
@@ -169,6 +174,9 @@ func (p *Pool) Get(ctx context.Context) (sandbox.Sandbox, error) { return p.get(
 func (p *Pool) get(ctx context.Context, wait time.Duration) (sandbox.Sandbox, error) {
 	if box := p.take(); box != nil {
 		return box, nil
+	}
+	if p.size > 0 {
+		event.Emit(p.obs, event.Box{Time: time.Now(), Backend: p.backend.Name(), PoolMiss: true})
 	}
 	w := p.slots.wait()
 	var expired <-chan time.Time

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"kiln/internal/agentproto"
+	"kiln/internal/event"
 	"kiln/internal/sandbox"
 )
 
@@ -54,6 +55,9 @@ type Options struct {
 	PoolSize    int
 	PoolWorkers int
 	Logger      *slog.Logger
+	// Observer is told of every execution, session change and box
+	// creation (the audit log, the metrics); nil: no one.
+	Observer event.Observer
 }
 
 // Defaults of Options; kiln's flags default to them too.
@@ -186,7 +190,7 @@ func NewManager(opts Options) *Manager {
 	}
 	spec := sandbox.Spec{Limits: opts.Limits, Preload: opts.Preload}
 	m.slots = newSlots(opts.MaxBoxes)
-	m.pool = newPool(opts.Backend, spec, PoolOptions{Size: opts.PoolSize, Concurrency: opts.PoolWorkers, Logger: opts.Logger}, m.slots)
+	m.pool = newPool(opts.Backend, spec, PoolOptions{Size: opts.PoolSize, Concurrency: opts.PoolWorkers, Logger: opts.Logger, Observer: opts.Observer}, m.slots)
 	m.warnOvercommit()
 	m.wg.Add(1)
 	go m.reap()
@@ -226,6 +230,7 @@ func (m *Manager) reap() {
 		m.mu.Unlock()
 		for _, s := range idle {
 			m.log.Info("session expired", "session", s.name, "principal", s.principal)
+			m.observeSession(event.SessionExpire, s)
 			s.close()
 		}
 	}
@@ -239,6 +244,12 @@ func (m *Manager) Get(principal, name string) (*Session, error) {
 	if !ValidName(name) {
 		return nil, ErrBadName
 	}
+	var created *Session // reported once the lock is released (deferred calls run last in, first out)
+	defer func() {
+		if created != nil {
+			m.observeSession(event.SessionCreate, created)
+		}
+	}()
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed {
@@ -262,6 +273,7 @@ func (m *Manager) Get(principal, name string) (*Session, error) {
 	}
 	s := newSession(m, principal, name)
 	m.sessions[k] = s
+	created = s
 	return s, nil
 }
 
@@ -288,6 +300,7 @@ func (m *Manager) Reset(principal, name string) bool {
 	delete(m.sessions, key{principal, name})
 	m.mu.Unlock()
 	if ok {
+		m.observeSession(event.SessionReset, s)
 		s.close()
 	}
 	return ok
@@ -329,6 +342,7 @@ func (m *Manager) Close() {
 	m.wg.Wait()
 	var wg sync.WaitGroup
 	for _, s := range all {
+		m.observeSession(event.SessionClose, s)
 		wg.Add(1)
 		go func() { defer wg.Done(); s.close() }()
 	}
@@ -350,6 +364,8 @@ type Outcome struct {
 	Fresh bool
 	Note  string // what kiln did, for the model
 	Files []agentproto.FileInfo
+
+	obs outcomeClass // for the observer
 }
 
 // Session is one named sandbox lifetime: its box is created on first use
@@ -501,16 +517,20 @@ func (s *Session) ensure(ctx context.Context) (box sandbox.Sandbox, fresh bool, 
 
 // RunPython runs a cell in the session's kernel.
 func (s *Session) RunPython(ctx context.Context, code string, timeout time.Duration) (*Outcome, error) {
-	return s.exec(ctx, timeout, func(ctx context.Context, box sandbox.Sandbox) (*agentproto.ExecResult, error) {
+	out, err := s.exec(ctx, timeout, func(ctx context.Context, box sandbox.Sandbox) (*agentproto.ExecResult, error) {
 		return box.RunPython(ctx, code, sandbox.ExecOptions{MaxOutput: s.m.opts.MaxOutput})
 	})
+	s.m.observeExec(ctx, s.principal, s.name, Python, code, out, err)
+	return out, err
 }
 
 // RunShell runs a bash command in the session's workspace.
 func (s *Session) RunShell(ctx context.Context, command string, timeout time.Duration) (*Outcome, error) {
-	return s.exec(ctx, timeout, func(ctx context.Context, box sandbox.Sandbox) (*agentproto.ExecResult, error) {
+	out, err := s.exec(ctx, timeout, func(ctx context.Context, box sandbox.Sandbox) (*agentproto.ExecResult, error) {
 		return box.RunShell(ctx, command, sandbox.ExecOptions{MaxOutput: s.m.opts.MaxOutput})
 	})
+	s.m.observeExec(ctx, s.principal, s.name, Shell, command, out, err)
+	return out, err
 }
 
 func (s *Session) exec(ctx context.Context, timeout time.Duration, run runFunc) (*Outcome, error) {
@@ -520,6 +540,10 @@ func (s *Session) exec(ctx context.Context, timeout time.Duration, run runFunc) 
 	defer s.release()
 	box, fresh, note, err := s.ensure(ctx)
 	if err != nil {
+		return nil, err
+	}
+	if err := cutIfOffline(ctx, box); err != nil {
+		s.drop(box)
 		return nil, err
 	}
 	out, err := s.m.runBounded(ctx, box, timeout, run)
@@ -548,6 +572,10 @@ func (s *Session) WithBox(ctx context.Context, f func(sandbox.Sandbox) error) er
 	defer s.release()
 	box, _, _, err := s.ensure(ctx)
 	if err != nil {
+		return err
+	}
+	if err := cutIfOffline(ctx, box); err != nil {
+		s.drop(box)
 		return err
 	}
 	err = f(box)
@@ -611,7 +639,7 @@ func (m *Manager) runBounded(ctx context.Context, box sandbox.Sandbox, timeout t
 	defer timer.Stop()
 
 	finish := func(r runResult) (*Outcome, error) {
-		out := &Outcome{ExecResult: r.res, Duration: time.Since(start)}
+		out := &Outcome{ExecResult: r.res, Duration: time.Since(start), obs: outcomeClass{box: box.ID()}}
 		d := delta(before, hits(box)) // before Close, which may remove the counters
 		if r.err != nil {
 			if errors.Is(r.err, sandbox.ErrDied) {
@@ -622,6 +650,7 @@ func (m *Manager) runBounded(ctx context.Context, box sandbox.Sandbox, timeout t
 				}}
 				out.Restarted = true
 				out.Note = why + "; " + m.survived(true, true)
+				out.obs.died(box, d)
 				return out, nil
 			}
 			var ae *sandbox.AgentError
@@ -631,6 +660,7 @@ func (m *Manager) runBounded(ctx context.Context, box sandbox.Sandbox, timeout t
 			return nil, r.err
 		}
 		m.explainLimits(out, box, d)
+		out.obs.finished(out.ExecResult, box, d, m.opts.Limits)
 		return out, nil
 	}
 
@@ -661,6 +691,7 @@ func (m *Manager) runBounded(ctx context.Context, box sandbox.Sandbox, timeout t
 		out, err := finish(r)
 		if out != nil {
 			out.TimedOut = true
+			out.obs.interrupted(why == msgCancel)
 			note := fmt.Sprintf(msgInterrupted, why)
 			if !out.Restarted {
 				note = joinNote(note, m.survived(false, false))
@@ -673,13 +704,16 @@ func (m *Manager) runBounded(ctx context.Context, box sandbox.Sandbox, timeout t
 	box.Close()
 	cancel()
 	m.log.Info("destroyed a sandbox that did not stop", "reason", why)
-	return &Outcome{
+	out := &Outcome{
 		ExecResult: &agentproto.ExecResult{Error: &agentproto.ExecError{Name: "Timeout", Value: why}},
 		Duration:   time.Since(start),
 		TimedOut:   true,
 		Restarted:  true,
 		Note:       joinNote(fmt.Sprintf(msgNotStopped, why), m.survived(true, true)),
-	}, nil
+		obs:        outcomeClass{box: box.ID()},
+	}
+	out.obs.interrupted(why == msgCancel)
+	return out, nil
 }
 
 func joinNote(a, b string) string {

@@ -1,0 +1,41 @@
+package session
+
+import (
+	"context"
+	"fmt"
+
+	"kiln/internal/sandbox"
+)
+
+type offlineKey struct{}
+
+// Offline marks ctx as the context of a call for a client that may not
+// use the network: the box the call runs in is cut off from the network
+// first (sandbox.NetworkCutter), for good. A session box once cut stays
+// cut; reset_session gives the session a fresh box.
+func Offline(ctx context.Context) context.Context {
+	return context.WithValue(ctx, offlineKey{}, true)
+}
+
+// IsOffline reports whether ctx was marked by Offline.
+func IsOffline(ctx context.Context) bool {
+	off, _ := ctx.Value(offlineKey{}).(bool)
+	return off
+}
+
+// cutIfOffline cuts box's network when ctx is offline. Boxes that cannot
+// be cut have no network to cut: only the jail attaches boxes to the
+// egress gateway, and the other backends refuse an allowlist.
+func cutIfOffline(ctx context.Context, box sandbox.Sandbox) error {
+	if !IsOffline(ctx) {
+		return nil
+	}
+	c, ok := inner(box).(sandbox.NetworkCutter)
+	if !ok {
+		return nil
+	}
+	if err := c.CutNetwork(); err != nil {
+		return fmt.Errorf("cutting the sandbox off the network: %w", err)
+	}
+	return nil
+}
