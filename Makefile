@@ -6,7 +6,7 @@ BIN     := bin
 APT_RUNTIME := python3 python3-numpy python3-pandas python3-matplotlib
 APT_TEST    := iproute2 nftables curl qemu-system-x86 debootstrap e2fsprogs systemd
 
-.PHONY: all build run serve demo test test-go test-e2e conformance deps deps-runtime deps-test runsc lint race fuzz clean
+.PHONY: all build run serve demo test test-go test-e2e conformance deps deps-runtime deps-test runsc wasm lint race fuzz clean
 
 all: build
 
@@ -92,6 +92,11 @@ fuzz:
 
 runsc:
 	KILN_TEST_GVISOR=1 $(GO) test ./internal/sandbox/gvisor -run '^TestEnsureRunsc$$' -count=1
+
+# The wasm backend's pinned Deno and Pyodide, fetched with npm into kiln's
+# cache and checked against their pinned sha512 (about 50 MB).
+wasm: build
+	$(BIN)/kiln wasm install
 
 clean:
 	rm -rf $(BIN)

@@ -15,6 +15,7 @@ import (
 	"kiln/internal/sandbox/gvisor"
 	"kiln/internal/sandbox/jail"
 	"kiln/internal/sandbox/microvm"
+	"kiln/internal/sandbox/wasm"
 )
 
 // registry lists the backends kiln can serve with, in the order kiln doctor
@@ -111,6 +112,19 @@ var registry = []backendEntry{
 					return nil, fmt.Errorf("%w (build one with: kiln image build)", err)
 				}
 				return microvm.New(c.Apply(microvm.Options{Image: im, Logger: env.log})) // it logs the TCG warning
+			}
+		},
+	},
+	{
+		name: "wasm",
+		flags: func(fs *flag.FlagSet) backendFactory {
+			var c wasm.Config
+			c.RegisterFlags(fs)
+			return func(ctx context.Context, env backendEnv) (sandbox.Backend, error) {
+				if !env.net.policy.Empty() {
+					return nil, errors.New("--allow-net is not supported on the wasm backend (its boxes have no network at all)")
+				}
+				return wasm.New(c.Apply(wasm.Options{Logger: env.log}))
 			}
 		},
 	},

@@ -36,6 +36,7 @@ Usage:
   kiln config print [serve|mcp|run|doctor] [flags]
                                    the effective configuration file (TOML), and where each value came from
   kiln image build [--force]       build the microVM guest image (Debian packages, cached)
+  kiln wasm install                install the pinned Deno and Pyodide (wasm backend; needs npm)
   kiln doctor                      which backends work here, and why not
   kiln version
 
@@ -67,6 +68,8 @@ func Main(args []string, stdout, stderr io.Writer) int {
 		err = runConfig(rest, stdout, stderr)
 	case "image":
 		err = runImage(rest, stdout, stderr)
+	case "wasm":
+		err = runWasm(rest, stdout, stderr)
 	case "doctor":
 		err = runDoctor(rest, stdout, stderr)
 	case "bench":

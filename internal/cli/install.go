@@ -181,7 +181,6 @@ func runDoctor(args []string, stdout, stderr io.Writer) error {
 			fmt.Fprintf(stdout, "%-8s not available: %v\n", e.name, err)
 		}
 	}
-	fmt.Fprintf(stdout, "%-8s not built yet in this version\n", "wasm")
 	if ok == 0 {
 		return errors.New("no backend works on this host")
 	}

@@ -52,6 +52,12 @@ func (s *Server) describeRunPython() string {
 		b.WriteString(". ")
 	}
 	b.WriteString("The value of the last expression is shown. matplotlib figures (plt.show() or left open) come back as PNG images; display(obj) shows rich objects (DataFrames as tables). Exceptions come back with a traceback. ")
+	for _, n := range rt.Notes {
+		b.WriteString(n + " ")
+	}
+	if rt.NoShell != "" {
+		b.WriteString("There is no run_shell tool: " + rt.NoShell + ". ")
+	}
 	b.WriteString(s.facts())
 	b.WriteString(s.describeBackground())
 	return b.String()
@@ -72,6 +78,9 @@ func (s *Server) instructions() string {
 	mode := "sessions keep state between calls"
 	if s.mgr.Options().Mode == session.ModePerCall {
 		mode = "every call runs in a fresh sandbox"
+	}
+	if s.opts.Runtime.NoShell != "" {
+		return "kiln runs code in an isolated sandbox (" + s.opts.Backend + " backend; " + mode + "). Use run_python for computation, data and charts; there is no shell: " + s.opts.Runtime.NoShell + "."
 	}
 	return "kiln runs code in an isolated sandbox (" + s.opts.Backend + " backend; " + mode + "). Use run_python for computation, data and charts, run_shell for commands."
 }

@@ -114,12 +114,14 @@ func (s *Server) addTools() {
 		Description: s.describeRunPython(),
 		Annotations: &mcp.ToolAnnotations{OpenWorldHint: boolPtr(s.opts.Network != "")},
 	}, guard(s, s.runPython, func(a RunPythonArgs) string { return a.Session }))
-	mcp.AddTool(s.mcp, &mcp.Tool{
-		Name:        "run_shell",
-		Title:       "Run shell command",
-		Description: s.describeRunShell(),
-		Annotations: &mcp.ToolAnnotations{OpenWorldHint: boolPtr(s.opts.Network != "")},
-	}, guard(s, s.runShell, func(a RunShellArgs) string { return a.Session }))
+	if s.opts.Runtime.NoShell == "" { // the wasm backend has none; run_python's description says why
+		mcp.AddTool(s.mcp, &mcp.Tool{
+			Name:        "run_shell",
+			Title:       "Run shell command",
+			Description: s.describeRunShell(),
+			Annotations: &mcp.ToolAnnotations{OpenWorldHint: boolPtr(s.opts.Network != "")},
+		}, guard(s, s.runShell, func(a RunShellArgs) string { return a.Session }))
+	}
 	s.addJobTools()
 	if s.perCall() {
 		return

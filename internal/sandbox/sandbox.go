@@ -115,6 +115,12 @@ func Probe(ctx context.Context, box Sandbox) error {
 type Runtime struct {
 	Python    string   // "3.11.2"; empty if there is no python
 	Libraries []string // notable importable libraries
+	// NoShell, when set, says why boxes have no shell (wasm): servers then
+	// do not offer run_shell, and their tool descriptions say why.
+	NoShell string
+	// Notes are what else the model should know of the runtime, one
+	// sentence each ("only the standard library").
+	Notes []string
 }
 
 // Spec is what a new box must enforce.

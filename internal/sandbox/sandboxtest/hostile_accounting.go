@@ -18,6 +18,7 @@ func init() {
 		"accounting: a box exhausts per-user kernel counts",
 		"while one box holds every inotify instance, message queue byte and queued signal it can get, a root process on the host and another box still get one of each",
 		func(t *testing.T, s *suite) {
+			s.needOS(t)
 			if os.Getuid() != 0 {
 				t.Skip("the host probe must run as root: root's per-user counts are the ones at stake")
 			}

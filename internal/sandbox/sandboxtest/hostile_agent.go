@@ -192,6 +192,7 @@ len(markers)
 
 var agentCases = []hostileCase{
 	{"agent: code reaches the agent's process", "code cannot ptrace, signal, pidfd_getfd, reopen the fds of, or read the memory or environment of the agent or PID 1, from a cell or a shell", func(t *testing.T, s *suite) {
+		s.needOS(t)
 		box := s.box(t)
 		r := py(t, s, box, agentProbe)
 		if r.Error != nil {

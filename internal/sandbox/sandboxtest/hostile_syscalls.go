@@ -168,6 +168,7 @@ func hostileSyscalls(t *testing.T, s *suite) {
 // allowedSyscalls is the other side of an allowlist: what model code
 // ordinarily does still works.
 func allowedSyscalls(t *testing.T, s *suite) {
+	s.needOS(t)
 	box := s.box(t)
 	r := py(t, s, box, `import asyncio, mmap, multiprocessing, os, select, signal, socket, subprocess, sys, tempfile, threading, time
 out = []

@@ -40,6 +40,15 @@ type Options struct {
 	// the hostile syscall case then only requires that the box cannot
 	// create namespaces, and logs what the guest kernel answers otherwise.
 	OwnKernel bool
+	// NoShell, when set, says why the backend's boxes have no shell
+	// (wasm: Python in WebAssembly, no operating system). Cases that need
+	// one skip with that reason; the rest run, some through Python.
+	NoShell string
+	// NoOS, when set, says why code in the backend's boxes reaches no
+	// operating system (wasm: libc's syscalls, signals, processes and
+	// threads do not exist there). Cases that probe the kernel's
+	// mechanisms skip with that reason.
+	NoOS string
 }
 
 var (
@@ -157,13 +166,41 @@ func py(t *testing.T, s *suite, box sandbox.Sandbox, code string) *resultView {
 	return view(res)
 }
 
+// pyOK is py for set-up code, which must not raise.
+func pyOK(t *testing.T, s *suite, box sandbox.Sandbox, code string) *resultView {
+	t.Helper()
+	r := py(t, s, box, code)
+	if r.Error != nil {
+		t.Fatalf("setting up: %s: %s\n%s", r.Error.Name, r.Error.Value, r.Error.Traceback)
+	}
+	return r
+}
+
 func sh(t *testing.T, s *suite, box sandbox.Sandbox, command string) *resultView {
 	t.Helper()
+	s.needShell(t)
 	res, err := box.RunShell(s.ctx(t, 60*time.Second), command, sandbox.ExecOptions{})
 	if err != nil {
 		t.Fatalf("run_shell %q: %v", command, err)
 	}
 	return view(res)
+}
+
+// needShell skips a case that needs a shell on a backend without one.
+func (s *suite) needShell(t *testing.T) {
+	t.Helper()
+	if s.opts.NoShell != "" {
+		t.Skipf("needs a shell, and %s", s.opts.NoShell)
+	}
+}
+
+// needOS skips a case that probes the kernel's mechanisms on a backend
+// whose code reaches no operating system.
+func (s *suite) needOS(t *testing.T) {
+	t.Helper()
+	if s.opts.NoOS != "" {
+		t.Skipf("probes the kernel's mechanisms, and %s", s.opts.NoOS)
+	}
 }
 
 // hostListener starts a TCP server on the host's loopback and returns its
