@@ -55,15 +55,16 @@ export function behaviourSuite(name, connect) {
     });
 
     it('streams live output as progress notifications when the call sends a token', async () => {
-      const code = 'for i in 0 1 2 3; do echo tick $i; sleep 1; done';
+      // A 10 s cell that prints every second.
+      const code = 'for i in 0 1 2 3 4 5 6 7 8 9; do echo tick $i; sleep 1; done';
       const progress = [];
       const res = await client.callTool({ name: 'run_shell', arguments: { command: code } }, undefined, {
         timeout: 120_000,
         onprogress: (p) => progress.push(p),
       });
-      assert.match(ok(res), /tick 3/);
+      assert.match(ok(res), /tick 9/);
       const ticks = progress.filter((p) => /tick \d/.test(p.message || ''));
-      assert.ok(ticks.length >= 2, `${ticks.length} progress notifications with output over a 4 s call: ${JSON.stringify(progress)}`);
+      assert.ok(ticks.length >= 5, `${ticks.length} progress notifications with output over a 10 s call: ${JSON.stringify(progress)}`);
       for (let i = 1; i < progress.length; i++) {
         assert.ok(progress[i].progress > progress[i - 1].progress, `progress went from ${progress[i - 1].progress} to ${progress[i].progress}`);
       }
@@ -250,6 +251,18 @@ export function behaviourSuite(name, connect) {
         const next = await call(client, 'run_python', { code: 'print("alive", 6 * 7)', session });
         assert.match(ok(next), /alive 42/);
       }
+    });
+
+    it('names the memory limit when a cell runs out of memory, and says what survived', async () => {
+      const session = 'e2e-oom';
+      ok(await call(client, 'run_python', { code: 'before = 1', session }));
+      // Grown in touched steps, so the cgroup's limit kills rather than one
+      // allocation being refused.
+      const res = await call(client, 'run_python', { code: 'chunks = []\nwhile True: chunks.append(b"x" * (32 << 20))', session, timeout_s: 60 });
+      assert.equal(res.isError, true, text(res));
+      assert.match(text(res), /ran out of memory \(limit \d+ MiB\)/);
+      assert.match(text(res), /the session restarted/);
+      assert.match(ok(await call(client, 'run_python', { code: 'print("alive", "before" in dir())', session })), /alive False/);
     });
 
     it('answers hostile payloads harmlessly and keeps serving', async () => {
