@@ -469,16 +469,7 @@ func (s *Session) Start(ctx context.Context, lang Language, code string, timeout
 				err = ErrShutdown
 			}
 		} else {
-			s.after(box, err)
-			if out != nil {
-				out.Session, out.Fresh = s.name, fresh
-				if note != "" {
-					out.Note = joinNote(note, out.Note)
-				}
-				if out.Restarted {
-					s.drop(box)
-				}
-			}
+			s.settle(box, out, err, fresh, note)
 		}
 		s.mu.Lock()
 		if s.job == j {

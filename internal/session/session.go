@@ -564,16 +564,7 @@ func (s *Session) exec(ctx context.Context, timeout time.Duration, run runFunc) 
 	if s.isClosed() {
 		return nil, ErrReset // its box was destroyed under it
 	}
-	s.after(box, err)
-	if out != nil {
-		out.Session, out.Fresh = s.name, fresh
-		if note != "" {
-			out.Note = joinNote(note, out.Note)
-		}
-		if out.Restarted {
-			s.drop(box)
-		}
-	}
+	s.settle(box, out, err, fresh, note)
 	return out, err
 }
 
@@ -603,6 +594,22 @@ func (s *Session) WithBox(ctx context.Context, f func(sandbox.Sandbox) error) er
 // after records, on the session's turn, what the next call must know of
 // box after a call that ended with err: why kiln destroyed it, or its
 // limit counters to tell later what killed it.
+// settle records how a call on box ended: the box's health, the session
+// and note the outcome carries, and the box dropped if the call lost it.
+func (s *Session) settle(box sandbox.Sandbox, out *Outcome, err error, fresh bool, note string) {
+	s.after(box, err)
+	if out == nil {
+		return
+	}
+	out.Session, out.Fresh = s.name, fresh
+	if note != "" {
+		out.Note = joinNote(note, out.Note)
+	}
+	if out.Restarted {
+		s.drop(box)
+	}
+}
+
 func (s *Session) after(box sandbox.Sandbox, err error) {
 	lost := ""
 	if err != nil && !alive(box) {
