@@ -235,7 +235,7 @@ func TestTimeoutKills(t *testing.T) {
 	if err != nil || !out.TimedOut || !out.Restarted || !strings.Contains(out.Note, "restarted") {
 		t.Fatalf("javascript loop: %v %+v", err, out)
 	}
-	out, err = s.RunPython(ctx, "'kept' in dir()", 0)
+	out, err = s.RunPython(ctx, "'kept' in dir()", 30*time.Second)
 	if err != nil || out.Result["text/plain"] != "False" {
 		t.Errorf("after the kill: %v %+v", err, out)
 	}
