@@ -7,15 +7,19 @@ import (
 	"io"
 	"os"
 	"sort"
+	"strings"
 
 	"kiln/internal/config"
 )
 
-// flagEnv binds environment variables to flags (flag name → variable):
-// such a variable sets its flag unless the command line does, over the
-// configuration file. KILN_CONFIG (the file itself) and KILN_TOKEN (one
-// more bearer token, not a flag) are read where they are used.
-var flagEnv = map[string]string{}
+// flagEnv is the environment variable that sets a flag unless the command
+// line does, over the configuration file: KILN_ and the flag's name in
+// capitals, dashes as underscores (--max-output: KILN_MAX_OUTPUT).
+// KILN_CONFIG (the file itself) and KILN_TOKEN (one more bearer token, not
+// a flag) are read where they are used.
+func flagEnv(name string) string {
+	return "KILN_" + strings.ToUpper(strings.ReplaceAll(name, "-", "_"))
+}
 
 const configUsage = "configuration file, TOML (default: $KILN_CONFIG, else the first of $XDG_CONFIG_HOME/kiln/kiln.toml and " + config.SystemPath + " that exists; \"\": none); see kiln config print"
 
@@ -81,7 +85,13 @@ func fileLayout() (config.Layout, error) {
 	if err != nil {
 		return config.Layout{}, err
 	}
-	l := config.Layout{Known: known, Env: flagEnv, NotInFile: []string{"config"}}
+	env := map[string]string{}
+	known.VisitAll(func(f *flag.Flag) {
+		if f.Name != "config" {
+			env[f.Name] = flagEnv(f.Name)
+		}
+	})
+	l := config.Layout{Known: known, Env: env, NotInFile: []string{"config"}}
 	for _, e := range registry {
 		fs := flag.NewFlagSet(e.name, flag.ContinueOnError)
 		e.flags(fs)
@@ -146,7 +156,9 @@ const configHead = `kiln configuration file (TOML), written by kiln config print
 Each key is a flag of kiln serve (kiln serve -h); kiln mcp, kiln run and
 kiln doctor read the same file and skip the keys they have no flag for.
 A backend's own settings go in its table, [backends.<name>].
-Precedence: command line > environment > this file > default.
+Precedence: command line > environment > this file > default; the
+variable of a key is KILN_ and its name in capitals, dashes as
+underscores (max-output: KILN_MAX_OUTPUT).
 A commented-out key shows its default; a set key names its source.
 kiln reads --config FILE, else $KILN_CONFIG, else the first of
 $XDG_CONFIG_HOME/kiln/kiln.toml (~/.config/kiln/kiln.toml) and

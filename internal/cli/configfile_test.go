@@ -2,6 +2,7 @@ package cli
 
 import (
 	"bytes"
+	"flag"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -19,10 +20,16 @@ func cleanConfigEnv(t *testing.T) {
 		os.Unsetenv(k)
 	}
 	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
-	for _, env := range flagEnv {
-		t.Setenv(env, "")
-		os.Unsetenv(env)
+	fs, err := serveFlags()
+	if err != nil {
+		t.Fatal(err)
 	}
+	fs.VisitAll(func(f *flag.Flag) {
+		if env := flagEnv(f.Name); f.Name != "config" {
+			t.Setenv(env, "")
+			os.Unsetenv(env)
+		}
+	})
 }
 
 func configPrint(t *testing.T, args ...string) string {
@@ -114,6 +121,36 @@ func TestConfigSources(t *testing.T) {
 	// --config "" reads no file, KILN_CONFIG or not.
 	if got := configPrint(t, "--config", ""); strings.Contains(got, " # file\n") || strings.Contains(got, "Read from") {
 		t.Errorf("--config \"\" still read %s:\n%s", p, got)
+	}
+}
+
+// TestConfigFromEnvironment: KILN_<FLAG> sets any flag, a backend's too,
+// over the file and under the command line; a bad value names its
+// variable.
+func TestConfigFromEnvironment(t *testing.T) {
+	cleanConfigEnv(t)
+	p := writeConfig(t, "memory = 2048\npool = 3\n")
+	t.Setenv("KILN_CONFIG", p)
+	t.Setenv("KILN_MEMORY", "768")
+	t.Setenv("KILN_MAX_OUTPUT", "30000")
+	t.Setenv("KILN_ZYGOTE_MAX_BOXES", "7")
+	t.Setenv("KILN_POOL", "5")
+	got := configPrint(t, "--pool", "2")
+	for _, w := range []string{
+		"memory = 768 # env KILN_MEMORY\n",
+		"max-output = 30000 # env KILN_MAX_OUTPUT\n",
+		"zygote-max-boxes = 7 # env KILN_ZYGOTE_MAX_BOXES\n",
+		"pool = 2 # flag --pool\n",
+		"KILN_MEMORY (--memory)",
+	} {
+		if !strings.Contains(got, w) {
+			t.Errorf("missing %q in:\n%s", w, got)
+		}
+	}
+	t.Setenv("KILN_MEMORY", "lots")
+	var out, errOut bytes.Buffer
+	if err := runConfig([]string{"print"}, &out, &errOut); err == nil || !strings.Contains(err.Error(), "KILN_MEMORY") {
+		t.Errorf("a bad KILN_MEMORY: err = %v, want it named", err)
 	}
 }
 
