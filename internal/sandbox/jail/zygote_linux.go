@@ -319,11 +319,13 @@ func (b *Backend) fork(ctx context.Context, tt *boxkit.Template[*template], spec
 		}
 	}()
 	cl.Add(func() error { b.zy.tpls.Release(tt); return nil }) // last, after the box is gone
-	cg, err := b.cgroups.create(spec.ID, lim)
+	cg, err := b.forkCgroup(spec.ID, lim)
 	if err != nil {
 		return nil, err
 	}
-	cl.Add(cg.Destroy)
+	if cg != nil {
+		cl.Add(cg.Destroy)
+	}
 
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -388,8 +390,10 @@ func (b *Backend) fork(ctx context.Context, tt *boxkit.Template[*template], spec
 	if err := watchKill(&cl, gpid); err != nil {
 		return nil, fmt.Errorf("watching the fork: %w", err)
 	}
-	if err := cg.Add(gpid); err != nil {
-		return nil, err
+	if cg != nil {
+		if err := cg.Add(gpid); err != nil {
+			return nil, err
+		}
 	}
 	if _, err := host.Write([]byte{'k'}); err != nil {
 		return nil, fail("releasing the fork", err)
