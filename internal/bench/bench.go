@@ -157,6 +157,7 @@ type Report struct {
 	// Accel is the microVM accelerator in use ("kvm" or "tcg"); empty for
 	// other backends. Every kiln figure of a microVM run names it.
 	Accel       string    `json:"accel,omitempty"`
+	Kiln        string    `json:"kiln"` // the binary under test
 	ServerArgs  []string  `json:"server_args,omitempty"`
 	ServerEnv   []string  `json:"server_env,omitempty"`
 	Pool        int       `json:"pool"`
@@ -196,7 +197,7 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 		return nil, err
 	}
 	r := &runner{opts: opts, log: opts.Logger, rep: &Report{
-		Backend: opts.Backend, ServerArgs: opts.ServerArgs, ServerEnv: opts.ServerEnv,
+		Backend: opts.Backend, Kiln: opts.Kiln, ServerArgs: opts.ServerArgs, ServerEnv: opts.ServerEnv,
 		Pool: opts.Pool, PoolWorkers: opts.PoolWorkers,
 		CPUs: runtime.NumCPU(), Go: runtime.Version(), Started: time.Now(),
 		LoadAverage: []string{loadAverage()},
@@ -312,6 +313,9 @@ func (r *runner) spawn(ctx context.Context) error {
 		{"spawn-numpy", "python3 -c 'import numpy, pandas' spawn", "import numpy, pandas", "", max(r.opts.Iterations/5, 5)},
 	}
 	for _, c := range cases {
+		if r.skipped(c.key) {
+			continue
+		}
 		r.progress("measuring %s", c.name)
 		var samples []time.Duration
 		w := r.cpuStart()
@@ -731,6 +735,7 @@ func (rep *Report) WriteTable(w io.Writer) {
 	if len(rep.LoadAverage) > 0 && rep.LoadAverage[0] != "" {
 		fmt.Fprintf(w, "load average at start and end: %s\n", strings.Join(rep.LoadAverage, " | "))
 	}
+	fmt.Fprintf(w, "kiln under test: %s\n", rep.Kiln)
 	if len(rep.ServerArgs) > 0 || len(rep.ServerEnv) > 0 {
 		fmt.Fprintf(w, "server: %s %s\n", strings.Join(rep.ServerEnv, " "), strings.Join(rep.ServerArgs, " "))
 	}

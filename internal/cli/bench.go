@@ -43,6 +43,7 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 		verbose = fs.Bool("v", false, "show the servers' logs on stderr")
 	)
 	fs.StringVar(&opts.Backend, "backend", "jail", "backend of the kiln servers under test")
+	fs.StringVar(&opts.Kiln, "kiln", "", "kiln binary to run as the servers under test, with its kiln-agent beside it (default: this one), to compare builds with the same bench")
 	fs.StringVar(&opts.Python, "python", "/usr/bin/python3", "interpreter of the bare-spawn baselines")
 	fs.IntVar(&opts.Iterations, "n", 50, "samples per latency")
 	fs.DurationVar(&opts.Duration, "duration", 5*time.Second, "length of each throughput run")
