@@ -116,5 +116,5 @@ var bounds = map[string]string{
 	"percall":         "see the hardening rows",
 	"percall-b2b":     "box creation: the pool runs dry",
 	"session-call":    "kiln's protocol path against the pipe floor",
-	"coldstart":       "the zygote template's start, unless early calls take a plain box",
+	"coldstart":       "the server's start plus a plain box's (compare spawn)",
 }
