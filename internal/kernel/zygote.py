@@ -489,8 +489,12 @@ def _quiesce():
     BLAS, which it never does. A single-threaded template can then clone
     boxes in one step (_clone_box)."""
     try:
-        if os.fork() == 0:
+        pid = os.fork()
+        if pid == 0:
             os._exit(0)
+        # With SIGCHLD ignored this returns once the child is gone, when
+        # no page is shared with it any more (_hugepages needs that).
+        os.waitpid(pid, 0)
     except OSError:
         pass
 
