@@ -103,6 +103,11 @@ func (r *Report) checkTargets() []Target {
 		if !t.Met {
 			t.Bound = bounds[ts.key]
 		}
+		if ts.key == "cpu-best" && r.IdleBusy > busyMachine {
+			if m := r.get(from); m != nil && m.CgroupCPU > 0 {
+				t.Bound = fmt.Sprintf("machine %.0f%% busy without kiln; the cgroup figure is %s ms", 100*r.IdleBusy, num(m.CgroupCPU))
+			}
+		}
 		out = append(out, t)
 	}
 	return out
