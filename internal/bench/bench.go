@@ -416,7 +416,7 @@ func runPython(code, session string) map[string]any {
 }
 
 func (r *runner) session(ctx context.Context) error {
-	srv, err := r.startServer(ctx, "session", r.opts.Pool)
+	srv, err := r.startWarm(ctx, "session", r.opts.Pool)
 	if err != nil {
 		return err
 	}
@@ -464,15 +464,11 @@ func (r *runner) session(ctx context.Context) error {
 }
 
 func (r *runner) perCall(ctx context.Context) error {
-	srv, err := r.startServer(ctx, "per-call", r.opts.Pool)
+	srv, err := r.startWarm(ctx, "per-call", r.opts.Pool)
 	if err != nil {
 		return err
 	}
 	defer srv.close()
-	// The first call also waits for whatever the backend prepares once.
-	if _, err := srv.call(ctx, "run_python", runPython(printCode, ""), printWant); err != nil {
-		return err
-	}
 	cases := []struct{ key, name, code, want string }{
 		{"percall", "per-call print(2+2), fresh sandbox", printCode, printWant},
 		{"percall-pandas", "per-call pandas, fresh sandbox", pandasCode, pandasWant},
@@ -519,14 +515,11 @@ func (r *runner) perCall(ctx context.Context) error {
 // throughput runs per-call print(2+2) from n concurrent callers on one
 // stdio connection (the server handles calls concurrently) for Duration.
 func (r *runner) throughput(ctx context.Context) error {
-	srv, err := r.startServer(ctx, "per-call", r.opts.Pool)
+	srv, err := r.startWarm(ctx, "per-call", r.opts.Pool)
 	if err != nil {
 		return err
 	}
 	defer srv.close()
-	if _, err := srv.call(ctx, "run_python", runPython(printCode, ""), printWant); err != nil {
-		return err
-	}
 	// The idle baseline: the machine's busy time over an equal interval,
 	// the server up with its pool full, nobody calling.
 	if err := sleep(ctx, r.opts.Settle); err != nil {
@@ -649,7 +642,7 @@ func (r *runner) memory(ctx context.Context) error {
 	}
 
 	r.progress("measuring PSS of %d idle sessions", n)
-	srv, err = r.startServer(ctx, "session", 0)
+	srv, err = r.startWarm(ctx, "session", 0)
 	if err != nil {
 		return err
 	}

@@ -127,3 +127,20 @@ func TestHasBenchKnobs(t *testing.T) {
 		t.Error("a file that is no Go binary has build info")
 	}
 }
+
+func TestPreloadsNone(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want bool
+	}{
+		{nil, false},
+		{[]string{"--preload", "numpy"}, false},
+		{[]string{"--preload", ""}, true},
+		{[]string{"--preload="}, true},
+		{[]string{"-preload=", "--preload=json"}, false}, // the last one counts
+	} {
+		if got := preloadsNone(c.args); got != c.want {
+			t.Errorf("preloadsNone(%q) = %v, want %v", c.args, got, c.want)
+		}
+	}
+}
