@@ -129,8 +129,11 @@ type Measurement struct {
 	P99  float64 `json:"p99"`
 	// Ratio is P50 over the python3 spawn's P50 (latencies only).
 	Ratio float64 `json:"ratio_to_spawn,omitempty"`
-	Note  string  `json:"note,omitempty"`
-	Err   string  `json:"error,omitempty"`
+	// CgroupCPU is, for a CPU row, the same figure counted in the
+	// bench's cgroup (Report.CPUAccounting says what it misses).
+	CgroupCPU float64 `json:"cgroup_cpu_ms,omitempty"`
+	Note      string  `json:"note,omitempty"`
+	Err       string  `json:"error,omitempty"`
 }
 
 // Target is one goal of issue 18, checked against this run: Value (in
@@ -167,10 +170,16 @@ type Report struct {
 	Started     time.Time `json:"started"`
 	// LoadAverage is /proc/loadavg at the start and the end of the run:
 	// other work on the machine inflates every latency.
-	LoadAverage  []string      `json:"load_average,omitempty"`
-	Elapsed      time.Duration `json:"elapsed_ns"`
-	Measurements []Measurement `json:"measurements"`
-	Targets      []Target      `json:"targets"`
+	LoadAverage []string      `json:"load_average,omitempty"`
+	Elapsed     time.Duration `json:"elapsed_ns"`
+	// IdleBusy is the share of the machine's CPU time busy while kiln
+	// was idle (the cpu-idle row): other work in every machine-wide
+	// figure.
+	IdleBusy float64 `json:"idle_busy,omitempty"`
+	// CPUAccounting says what the cgroup figures of CPU rows cover.
+	CPUAccounting string        `json:"cpu_accounting,omitempty"`
+	Measurements  []Measurement `json:"measurements"`
+	Targets       []Target      `json:"targets"`
 }
 
 func (r *Report) get(key string) *Measurement {
@@ -207,6 +216,7 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 		r.log.Debug("not counting CPU time", "err", err)
 	} else {
 		r.cpu = g
+		r.rep.CPUAccounting = g.covers()
 		defer g.close()
 	}
 	steps := []struct {
@@ -406,7 +416,7 @@ func runPython(code, session string) map[string]any {
 }
 
 func (r *runner) session(ctx context.Context) error {
-	srv, err := r.startServer(ctx, "session", r.opts.Pool)
+	srv, err := r.startWarm(ctx, "session", r.opts.Pool)
 	if err != nil {
 		return err
 	}
@@ -454,15 +464,11 @@ func (r *runner) session(ctx context.Context) error {
 }
 
 func (r *runner) perCall(ctx context.Context) error {
-	srv, err := r.startServer(ctx, "per-call", r.opts.Pool)
+	srv, err := r.startWarm(ctx, "per-call", r.opts.Pool)
 	if err != nil {
 		return err
 	}
 	defer srv.close()
-	// The first call also waits for whatever the backend prepares once.
-	if _, err := srv.call(ctx, "run_python", runPython(printCode, ""), printWant); err != nil {
-		return err
-	}
 	cases := []struct{ key, name, code, want string }{
 		{"percall", "per-call print(2+2), fresh sandbox", printCode, printWant},
 		{"percall-pandas", "per-call pandas, fresh sandbox", pandasCode, pandasWant},
@@ -509,14 +515,11 @@ func (r *runner) perCall(ctx context.Context) error {
 // throughput runs per-call print(2+2) from n concurrent callers on one
 // stdio connection (the server handles calls concurrently) for Duration.
 func (r *runner) throughput(ctx context.Context) error {
-	srv, err := r.startServer(ctx, "per-call", r.opts.Pool)
+	srv, err := r.startWarm(ctx, "per-call", r.opts.Pool)
 	if err != nil {
 		return err
 	}
 	defer srv.close()
-	if _, err := srv.call(ctx, "run_python", runPython(printCode, ""), printWant); err != nil {
-		return err
-	}
 	// The idle baseline: the machine's busy time over an equal interval,
 	// the server up with its pool full, nobody calling.
 	if err := sleep(ctx, r.opts.Settle); err != nil {
@@ -532,7 +535,9 @@ func (r *runner) throughput(ctx context.Context) error {
 		m := Measurement{Key: "cpu-idle", Name: "CPU busy, idle machine, machine-wide", Unit: "ms CPU", N: 1,
 			P50: ms(idle.Machine), P99: ms(idle.Machine),
 			Note: fmt.Sprintf("all CPUs over %s with the server idle, just before the throughput runs: subtract it from their totals", idle.Elapsed.Round(time.Millisecond))}
-		if busy := idle.Machine.Seconds() / (idle.Elapsed.Seconds() * float64(r.rep.CPUs)); busy > 0.05 {
+		busy := idle.Machine.Seconds() / (idle.Elapsed.Seconds() * float64(r.rep.CPUs))
+		r.rep.IdleBusy = busy
+		if busy > busyMachine {
 			m.Note += fmt.Sprintf("; WARNING: the machine was %.0f%% busy without kiln, so every machine-wide figure holds other work", 100*busy)
 		}
 		r.add(m)
@@ -637,7 +642,7 @@ func (r *runner) memory(ctx context.Context) error {
 	}
 
 	r.progress("measuring PSS of %d idle sessions", n)
-	srv, err = r.startServer(ctx, "session", 0)
+	srv, err = r.startWarm(ctx, "session", 0)
 	if err != nil {
 		return err
 	}
@@ -736,6 +741,12 @@ func (rep *Report) WriteTable(w io.Writer) {
 		fmt.Fprintf(w, "load average at start and end: %s\n", strings.Join(rep.LoadAverage, " | "))
 	}
 	fmt.Fprintf(w, "kiln under test: %s\n", rep.Kiln)
+	if rep.CPUAccounting != "" {
+		fmt.Fprintf(w, "cgroup CPU figures: %s\n", rep.CPUAccounting)
+	}
+	if rep.IdleBusy > busyMachine {
+		fmt.Fprintf(w, "WARNING: the machine was %.0f%% busy with other work while kiln idled: machine-wide CPU figures are not kiln's\n", 100*rep.IdleBusy)
+	}
 	if len(rep.ServerArgs) > 0 || len(rep.ServerEnv) > 0 {
 		fmt.Fprintf(w, "server: %s %s\n", strings.Join(rep.ServerEnv, " "), strings.Join(rep.ServerArgs, " "))
 	}

@@ -127,3 +127,40 @@ func TestHasBenchKnobs(t *testing.T) {
 		t.Error("a file that is no Go binary has build info")
 	}
 }
+
+func TestPreloadsNone(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want bool
+	}{
+		{nil, false},
+		{[]string{"--preload", "numpy"}, false},
+		{[]string{"--preload", ""}, true},
+		{[]string{"--preload="}, true},
+		{[]string{"-preload=", "--preload=json"}, false}, // the last one counts
+	} {
+		if got := preloadsNone(c.args); got != c.want {
+			t.Errorf("preloadsNone(%q) = %v, want %v", c.args, got, c.want)
+		}
+	}
+}
+
+// A CPU target not met on a busy machine names the cgroup figure and the
+// figure with every hardening measure off.
+func TestTargetBounds(t *testing.T) {
+	rep := &Report{Backend: "jail", IdleBusy: 0.9, Measurements: []Measurement{
+		{Key: "throughput-2", Unit: "calls/s", N: 100, P50: 50},
+		{Key: "cpu-call-2", Unit: "ms CPU", N: 100, P50: 200, CgroupCPU: 40},
+		{Key: "hardening-all-off-cpu", Unit: "ms CPU", N: 50, P50: 150, CgroupCPU: 33},
+	}}
+	for _, tg := range rep.checkTargets() {
+		if tg.Key != "cpu-call-2" {
+			continue
+		}
+		if tg.Met || !strings.Contains(tg.Bound, "cgroup figure 40.0 ms") || !strings.Contains(tg.Bound, "off: 150.0 ms (cgroup 33.0 ms)") {
+			t.Errorf("CPU target %+v: want not met, bounded by the cgroup figure and the all-off row", tg)
+		}
+		return
+	}
+	t.Fatal("no CPU target")
+}

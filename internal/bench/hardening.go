@@ -89,14 +89,11 @@ func (r *runner) hardeningVariant(ctx context.Context, key string, v hardeningVa
 	if v.weaken != "" {
 		r.opts.ServerEnv = append(r.opts.ServerEnv, WeakenEnv+"="+v.weaken)
 	}
-	srv, err := r.startServer(ctx, "per-call", r.opts.Pool)
+	srv, err := r.startWarm(ctx, "per-call", r.opts.Pool)
 	if err != nil {
 		return err
 	}
 	defer srv.close()
-	if _, err := srv.call(ctx, "run_python", runPython(printCode, ""), printWant); err != nil {
-		return err
-	}
 	if err := sleep(ctx, r.opts.Settle); err != nil {
 		return err
 	}

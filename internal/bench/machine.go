@@ -92,6 +92,10 @@ func (w *cpuWindow) stop() cpuSpan {
 	return s
 }
 
+// busyMachine is the share of CPU busy without kiln above which the
+// machine-wide figures carry a warning.
+const busyMachine = 0.05
+
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
 // cpuRow adds the machine-wide CPU time of span per one of n operations,
@@ -108,8 +112,8 @@ func (r *runner) cpuRow(key, name string, span cpuSpan, n int, note string) {
 		m.P99 = m.P50
 	}
 	if span.HasGroup {
-		m.Note += fmt.Sprintf("; cgroup figure %.1f ms (the bench's group minus the bench: misses what leaves it, such as jail boxes under cgroup v2 and runsc)",
-			ms(span.Group)/float64(n))
+		m.CgroupCPU = ms(span.Group) / float64(n)
+		m.Note += fmt.Sprintf("; cgroup figure %.1f ms (%s)", m.CgroupCPU, r.cpu.covers())
 	}
 	r.add(m)
 }

@@ -2,6 +2,7 @@ package bench
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 )
 
@@ -103,6 +104,9 @@ func (r *Report) checkTargets() []Target {
 		if !t.Met {
 			t.Bound = bounds[ts.key]
 		}
+		if !t.Met {
+			t.Bound = strings.Join(slices.DeleteFunc([]string{t.Bound, r.boundOf(ts.key, from)}, func(s string) bool { return s == "" }), "; ")
+		}
 		out = append(out, t)
 	}
 	return out
@@ -117,4 +121,29 @@ var bounds = map[string]string{
 	"percall-b2b":     "box creation: the pool runs dry",
 	"session-call":    "kiln's protocol path against the pipe floor",
 	"coldstart":       "the server's start plus a plain box's (compare spawn)",
+}
+
+// boundOf adds what this run measured about a target not met: the
+// cgroup figure when the machine was busy, and the same figure with the
+// jail's hardening measures all off.
+func (r *Report) boundOf(key, from string) string {
+	var out []string
+	switch key {
+	case "cpu-best":
+		if m := r.get(from); m != nil && m.CgroupCPU > 0 && r.IdleBusy > busyMachine {
+			out = append(out, fmt.Sprintf("machine %.0f%% busy without kiln, cgroup figure %s ms", 100*r.IdleBusy, num(m.CgroupCPU)))
+		}
+		if m := r.get("hardening-all-off-cpu"); m != nil && m.Err == "" && m.N > 0 {
+			s := fmt.Sprintf("all four hardening measures off: %s ms", num(m.P50))
+			if m.CgroupCPU > 0 {
+				s += fmt.Sprintf(" (cgroup %s ms)", num(m.CgroupCPU))
+			}
+			out = append(out, s)
+		}
+	case "percall":
+		if m := r.get("hardening-all-off"); m != nil && m.Err == "" && m.N > 0 {
+			out = append(out, fmt.Sprintf("all four hardening measures off: %s ms", num(m.P50)))
+		}
+	}
+	return strings.Join(out, "; ")
 }

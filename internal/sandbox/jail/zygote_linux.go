@@ -294,7 +294,7 @@ func (b *Backend) Close() error {
 // forkBox makes a box from the zygote. It returns (nil, nil) when the
 // zygote is off or not working, and Create then starts the box directly;
 // also for an urgent box while the template warms, whose preloads it then
-// drops (early.go).
+// drops (early_linux.go).
 func (b *Backend) forkBox(ctx context.Context, spec *sandbox.Spec) (sandbox.Sandbox, error) {
 	if b.zy == nil {
 		return nil, nil

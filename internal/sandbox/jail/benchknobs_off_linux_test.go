@@ -1,4 +1,4 @@
-//go:build !kiln_benchknobs
+//go:build linux && !kiln_benchknobs
 
 package jail
 
