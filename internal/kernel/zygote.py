@@ -357,11 +357,11 @@ def _spawn(plan, fds):
     try:
         a_r, a_w = os.pipe()  # G (or P) to the template
         b_r, b_w = os.pipe()  # the template to G (or P)
-        if _SYS_CLONE > 0 and _single_threaded():
+        if _can_clone():
             pid, cloned = _clone_box(plan), True
         else:
             pid = os.fork()
-    except OSError as e:
+    except (OSError, AttributeError) as e:
         try:
             os.write(fds[1], ("kiln zygote: forking: %s\n" % e).encode())
         except OSError:
@@ -392,11 +392,18 @@ def _spawn(plan, fds):
         os._exit(1)
 
 
-def _single_threaded():
-    """Whether the template is one thread. A raw clone(2) runs none of the
-    pthread_atfork handlers fork(3) runs, which libraries with threads of
-    their own rely on (OpenBLAS stops its pool in them); the template's
-    pools are stopped by _quiesce and stay so while it only forks."""
+def _can_clone():
+    """Whether the template can clone a box in one step: the host gave
+    clone(2)'s number, this python exports its fork steps, and the
+    template is one thread. A raw clone(2) runs none of the pthread_atfork
+    handlers fork(3) runs, which libraries with threads of their own rely
+    on (OpenBLAS stops its pool in them); the template's pools are stopped
+    by _quiesce and stay so while it only forks."""
+    if _SYS_CLONE <= 0:
+        return False
+    api = ctypes.pythonapi
+    if not all(hasattr(api, f) for f in ("PyOS_BeforeFork", "PyOS_AfterFork_Child", "PyOS_AfterFork_Parent")):
+        return False
     try:
         return len(os.listdir("/proc/self/task")) == 1
     except OSError:
