@@ -138,7 +138,7 @@ func (b *Backend) Check(ctx context.Context) error {
 
 // Create starts a box and waits for its agent.
 func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (_ sandbox.Sandbox, err error) {
-	if box, err := b.forkBox(ctx, spec); box != nil || err != nil {
+	if box, err := b.forkBox(ctx, &spec); box != nil || err != nil {
 		return box, err // from the zygote (zygote_linux.go)
 	}
 	lim := spec.Limits.WithDefaults()

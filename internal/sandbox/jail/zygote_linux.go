@@ -104,13 +104,21 @@ func (t *template) stop() {
 
 // get returns a ready template for preload and counts the box it will
 // make; the caller must release it once that box is destroyed or was
-// never made.
-func (z *zygotes) get(ctx context.Context, preload []string) (*boxkit.Template[*template], error) {
+// never made. An urgent caller does not wait for a template being built:
+// it gets errWarming.
+func (z *zygotes) get(ctx context.Context, preload []string, urgent bool) (*boxkit.Template[*template], error) {
 	key := strings.Join(preload, ",")
-	return z.tpls.Get(ctx, key, func(ctx context.Context, _ bool) (*template, time.Time, error) {
+	build := func(ctx context.Context, _ bool) (*template, time.Time, error) {
 		t, err := z.start(ctx, key)
 		return t, time.Time{}, err
-	})
+	}
+	if urgent {
+		if t := z.tpls.Ready(key, build); t != nil {
+			return t, nil
+		}
+		return nil, errWarming
+	}
+	return z.tpls.Get(ctx, key, build)
 }
 
 // start launches a template and waits until its python has imported the
@@ -284,12 +292,18 @@ func (b *Backend) Close() error {
 }
 
 // forkBox makes a box from the zygote. It returns (nil, nil) when the
-// zygote is off or not working, and Create then starts the box directly.
-func (b *Backend) forkBox(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbox, error) {
+// zygote is off or not working, and Create then starts the box directly;
+// also for an urgent box while the template warms, whose preloads it then
+// drops (early_linux.go).
+func (b *Backend) forkBox(ctx context.Context, spec *sandbox.Spec) (sandbox.Sandbox, error) {
 	if b.zy == nil {
 		return nil, nil
 	}
-	t, err := b.zy.get(ctx, spec.Preload)
+	t, err := b.zy.get(ctx, spec.Preload, spec.Urgent)
+	if errors.Is(err, errWarming) {
+		b.early(spec)
+		return nil, nil
+	}
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
@@ -297,7 +311,7 @@ func (b *Backend) forkBox(ctx context.Context, spec sandbox.Spec) (sandbox.Sandb
 		b.log.Warn("jail zygote unavailable; starting the box directly", "err", err)
 		return nil, nil
 	}
-	box, err := b.fork(ctx, t, spec)
+	box, err := b.fork(ctx, t, *spec)
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil, err
@@ -319,11 +333,13 @@ func (b *Backend) fork(ctx context.Context, tt *boxkit.Template[*template], spec
 		}
 	}()
 	cl.Add(func() error { b.zy.tpls.Release(tt); return nil }) // last, after the box is gone
-	cg, err := b.cgroups.create(spec.ID, lim)
+	cg, err := b.forkCgroup(spec.ID, lim)
 	if err != nil {
 		return nil, err
 	}
-	cl.Add(cg.Destroy)
+	if cg != nil {
+		cl.Add(cg.Destroy)
+	}
 
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -388,8 +404,10 @@ func (b *Backend) fork(ctx context.Context, tt *boxkit.Template[*template], spec
 	if err := watchKill(&cl, gpid); err != nil {
 		return nil, fmt.Errorf("watching the fork: %w", err)
 	}
-	if err := cg.Add(gpid); err != nil {
-		return nil, err
+	if cg != nil {
+		if err := cg.Add(gpid); err != nil {
+			return nil, err
+		}
 	}
 	if _, err := host.Write([]byte{'k'}); err != nil {
 		return nil, fail("releasing the fork", err)

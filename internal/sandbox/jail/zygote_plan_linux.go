@@ -93,7 +93,7 @@ func (z *zygotes) plan(spec sandbox.Spec, lim sandbox.Limits, slot int) *zygoteP
 	// Mounted by the box's PID 1, as root of the box's own user
 	// namespace: the owner is named there.
 	p := boxPlan(lim, boxUID, b.env())
-	return &zygotePlan{
+	return weaken(&zygotePlan{
 		HostID:    host,
 		UIDMap:    idMap,
 		GIDMap:    idMap,
@@ -111,7 +111,7 @@ func (z *zygotes) plan(spec sandbox.Spec, lim sandbox.Limits, slot int) *zygoteP
 		Agent:     boxplan.AgentPath,
 		AgentArgs: b.agentArgs(spec),
 		Env:       p.Env,
-	}
+	})
 }
 
 // zygoteMounts are the plan's per-box mounts, in the order the direct
