@@ -28,7 +28,7 @@ type initConfig struct {
 	AgentArgs  []string     `json:"agent_args"`
 	Plan       boxplan.Plan `json:"plan"` // the box's mounts, limits, rules and environment
 	ResolvConf string       `json:"resolv_conf"`
-	Rootless   bool         `json:"rootless"` // only uid 0 is mapped: stay 0, without capabilities
+	Rootless   bool         `json:"rootless"`              // only uid 0 is mapped: stay 0, without capabilities
 	Template   string       `json:"template,omitempty"`    // host dir bound at boxplan.TemplateDir (template_linux.go)
 	TemplateRW bool         `json:"template_rw,omitempty"` // writable: the template's setup
 }
