@@ -47,14 +47,14 @@ var (
 
 // Manifest describes a template: how it was made and with what.
 type Manifest struct {
-	Format      string        `json:"format"`
-	Name        string        `json:"name"`
-	KilnVersion string        `json:"kiln_version"`
-	Backend     string        `json:"backend"`
-	Created     time.Time     `json:"created"`
-	Setup       string        `json:"setup"`        // the setup file's base name
-	SetupSHA256 string        `json:"setup_sha256"` // of its content
-	AllowNet    string        `json:"allow_net,omitempty"`
+	Format      string    `json:"format"`
+	Name        string    `json:"name"`
+	KilnVersion string    `json:"kiln_version"`
+	Backend     string    `json:"backend"`
+	Created     time.Time `json:"created"`
+	Setup       string    `json:"setup"`        // the setup file's base name
+	SetupSHA256 string    `json:"setup_sha256"` // of its content
+	AllowNet    string    `json:"allow_net,omitempty"`
 	// Import lists the modules every box imports before it is handed out
 	// (on the jail, the zygote imports them before it forks).
 	Import []string      `json:"import,omitempty"`
