@@ -106,6 +106,7 @@ type templateSetup struct {
 	timeout     time.Duration
 	out         io.Writer // the setup's output, for the operator
 	log         *slog.Logger
+	net         *network // nil: from allowNet and egressHosts (tests give their own)
 }
 
 func runTemplateCreate(args []string, stdout, stderr io.Writer) error {
@@ -167,13 +168,15 @@ func createTemplate(ctx context.Context, o templateSetup) (_ *boxtemplate.Templa
 			stage.Abort()
 		}
 	}()
-	c := common{allowNet: o.allowNet, egressHosts: o.egressHosts}
-	net, err := c.network(o.log, nil)
-	if err != nil {
-		return nil, err
-	}
-	if net.gateway != nil {
-		defer net.gateway.Close()
+	net := o.net
+	if net == nil {
+		c := common{allowNet: o.allowNet, egressHosts: o.egressHosts}
+		if net, err = c.network(o.log, nil); err != nil {
+			return nil, err
+		}
+		if net.gateway != nil {
+			defer net.gateway.Close()
+		}
 	}
 	b, err := jail.New(jail.Options{Agent: o.agent, Logger: o.log, Egress: net.gateway, Policy: net.policy,
 		Template: stage.Files(), TemplateWritable: true})
