@@ -35,7 +35,7 @@ func (s *Store) Stage(name string) (*Stage, error) {
 		return nil, err
 	}
 	files := filepath.Join(dir, FilesName)
-	if err := os.Chmod(dir, 0o711); err == nil {
+	if err = os.Chmod(dir, 0o711); err == nil {
 		if err = os.Mkdir(files, 0o777); err == nil {
 			err = os.Chmod(files, 0o777) // past the umask
 		}
