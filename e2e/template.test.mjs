@@ -14,9 +14,9 @@ import path from 'node:path';
 import { KILN, call, text, connectStdio, skip } from './helpers.mjs';
 
 const SETUP = `set -e
-mkdir -p "$KILN_TEMPLATE/python"
-echo 'VALUE = "from-template"' > "$KILN_TEMPLATE/python/tmod.py"
-echo "template data" > "$KILN_TEMPLATE/data.txt"
+mkdir -p "$KILN_TEMPLATE_FILES/python"
+echo 'VALUE = "from-template"' > "$KILN_TEMPLATE_FILES/python/tmod.py"
+echo "template data" > "$KILN_TEMPLATE_FILES/data.txt"
 `;
 
 const PROBE = `import sys

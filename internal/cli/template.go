@@ -29,8 +29,8 @@ const templateUsage = `Usage:
   kiln template rm NAME
 
 A template is what an operator's setup code leaves in a box: Python
-packages installed with pip --target "$KILN_TEMPLATE/python", data files
-under "$KILN_TEMPLATE". kiln template create starts a jail box whose
+packages installed with pip --target "$KILN_TEMPLATE_FILES/python", data files
+under "$KILN_TEMPLATE_FILES". kiln template create starts a jail box whose
 /template is writable, runs FILE in it once (python3 if it ends in .py,
 else bash) under the template's network policy (--allow-net, as kiln serve
 has it; default: no network), and keeps what it wrote. A server started

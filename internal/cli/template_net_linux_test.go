@@ -62,7 +62,7 @@ func TestTemplatePipThroughAllowlist(t *testing.T) {
 	}
 	setup := filepath.Join(t.TempDir(), "setup.sh")
 	os.WriteFile(setup, []byte(`python3 -m pip install --isolated --disable-pip-version-check --no-cache-dir --retries 0 --timeout 10 \
-  --index-url http://pypi.test/simple/ --trusted-host pypi.test --target "$KILN_TEMPLATE/python" kilnprobe
+  --index-url http://pypi.test/simple/ --trusted-host pypi.test --target "$KILN_TEMPLATE_FILES/python" kilnprobe
 `), 0o644)
 	var out bytes.Buffer
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)

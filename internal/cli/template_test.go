@@ -28,9 +28,9 @@ func templateStore(t *testing.T) string {
 }
 
 const templateSetupScript = `set -e
-mkdir -p "$KILN_TEMPLATE/python"
-echo 'VALUE = "from-template"' > "$KILN_TEMPLATE/python/tmod.py"
-echo "template data" > "$KILN_TEMPLATE/data.txt"
+mkdir -p "$KILN_TEMPLATE_FILES/python"
+echo 'VALUE = "from-template"' > "$KILN_TEMPLATE_FILES/python/tmod.py"
+echo "template data" > "$KILN_TEMPLATE_FILES/data.txt"
 echo "setup ran as $(id -u)"
 `
 

@@ -54,8 +54,10 @@ func prepareTemplate(opts *Options) error {
 }
 
 // templateEnv is what a box with a template finds in its environment.
+// (Not KILN_TEMPLATE: that is the server's --template, from its own
+// environment.)
 func templateEnv() []string {
-	return []string{"PYTHONPATH=" + boxplan.TemplatePython, "KILN_TEMPLATE=" + boxplan.TemplateDir}
+	return []string{"PYTHONPATH=" + boxplan.TemplatePython, "KILN_TEMPLATE_FILES=" + boxplan.TemplateDir}
 }
 
 // withTemplate adds the template's Landlock rule to a box's plan: read

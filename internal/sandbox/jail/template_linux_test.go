@@ -132,7 +132,7 @@ func TestTemplateWritableForSetup(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer box.Close()
-	res, err := box.RunShell(ctx, `echo made > "$KILN_TEMPLATE/made.txt" && echo "$PYTHONPATH"`, sandbox.ExecOptions{})
+	res, err := box.RunShell(ctx, `echo made > "$KILN_TEMPLATE_FILES/made.txt" && echo "$PYTHONPATH"`, sandbox.ExecOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
