@@ -136,7 +136,32 @@ func Open(dir string) (*Store, error) {
 	if err := checkReachable(dir); err != nil {
 		return nil, err
 	}
-	return &Store{Dir: dir}, nil
+	s := &Store{Dir: dir}
+	s.sweep(time.Now())
+	return s, nil
+}
+
+// staleStage is how old a stage must be before Open takes it for the
+// leftover of a kiln template create that was killed; a setup may run
+// for its whole --timeout.
+const staleStage = 48 * time.Hour
+
+// sweep removes what killed commands left: removals under way (.rm-*)
+// and stages older than staleStage (.new-*).
+func (s *Store) sweep(now time.Time) {
+	entries, _ := os.ReadDir(s.Dir)
+	for _, e := range entries {
+		name := e.Name()
+		stale := strings.HasPrefix(name, ".rm-")
+		if strings.HasPrefix(name, ".new-") {
+			if info, err := e.Info(); err == nil && now.Sub(info.ModTime()) > staleStage {
+				stale = true
+			}
+		}
+		if stale {
+			os.RemoveAll(filepath.Join(s.Dir, name))
+		}
+	}
 }
 
 // checkReachable makes sure that other users may pass through every

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"kiln/internal/boxtemplate"
 )
@@ -159,5 +160,34 @@ func TestSealRefuses(t *testing.T) {
 				t.Errorf("a refused template is there: %v", err)
 			}
 		})
+	}
+}
+
+// TestSweep: Open removes what killed commands left, and no fresh stage.
+func TestSweep(t *testing.T) {
+	s := store(t)
+	old, err := s.Stage("old")
+	if err != nil {
+		t.Fatal(err)
+	}
+	past := time.Now().Add(-72 * time.Hour)
+	stageDir := filepath.Dir(old.Files())
+	os.Chtimes(stageDir, past, past)
+	fresh, err := s.Stage("fresh")
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.MkdirAll(filepath.Join(s.Dir, ".rm-x-1", "x"), 0o755)
+	if _, err := boxtemplate.Open(s.Dir); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(stageDir); err == nil {
+		t.Error("an old stage survived")
+	}
+	if _, err := os.Stat(fresh.Files()); err != nil {
+		t.Errorf("a fresh stage was removed: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(s.Dir, ".rm-x-1")); err == nil {
+		t.Error("a removal's leftover survived")
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"text/tabwriter"
@@ -155,6 +156,11 @@ func runTemplateCreate(args []string, stdout, stderr io.Writer) error {
 // network policy; the setup runs as the box's unprivileged user, like
 // model code, though it is the operator's.
 func createTemplate(ctx context.Context, o templateSetup) (_ *boxtemplate.Template, err error) {
+	for _, m := range o.imports {
+		if !pyModuleName.MatchString(m) {
+			return nil, fmt.Errorf("--import: %q is not a Python module name", m)
+		}
+	}
 	code, err := readSetup(o.setup)
 	if err != nil {
 		return nil, err
@@ -252,8 +258,36 @@ func runSetup(ctx context.Context, b sandbox.Backend, o templateSetup, code []by
 	if res.ExitCode != 0 || res.Signal != "" {
 		return 0, fmt.Errorf("the setup failed (exit %d%s); nothing was kept", res.ExitCode, signalSuffix(res.Signal))
 	}
-	return time.Since(start), nil
+	took := time.Since(start)
+	if err := checkImports(tctx, box, o.imports); err != nil {
+		return 0, err
+	}
+	return took, nil
 }
+
+// checkImports imports each --import module (names checked by
+// pyModuleName) in the setup's box, as every
+// box of the template will before it is handed out (where a missing one
+// is skipped silently): a module the setup did not provide is an error
+// now, not a slow first call later.
+func checkImports(ctx context.Context, box sandbox.Sandbox, mods []string) error {
+	for _, m := range mods {
+		// A fresh python, as a box's: the setup box's kernel started
+		// before the setup made the template's python directory.
+		res, err := box.RunShell(ctx, "out=$(python3 -c 'import importlib, sys; importlib.import_module(sys.argv[1])' "+m+" 2>&1) || { printf '%s\\n' \"$out\" | tail -n 1; exit 1; }", sandbox.ExecOptions{MaxOutput: 4096})
+		if err != nil {
+			return fmt.Errorf("importing %s after the setup: %w", m, err)
+		}
+		if res.ExitCode != 0 {
+			msg := strings.TrimSpace(res.Stdout.Text)
+			return fmt.Errorf("--import %s: the template's boxes cannot import it (%s); nothing was kept", m, visible(msg))
+		}
+	}
+	return nil
+}
+
+// pyModuleName is a dotted Python module name.
+var pyModuleName = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$`)
 
 func signalSuffix(sig string) string {
 	if sig == "" {

@@ -189,6 +189,12 @@ open("mine.txt", "w").write("mine")
 	if out, err := makeTemplate(t, agent, dir, "bad", "setup.py", "import sys\nprint('half done')\nsys.exit(3)\n"); err == nil || !strings.Contains(out, "exit 3") || !strings.Contains(out, "half done") {
 		t.Errorf("a failing setup: %v\n%s", err, out)
 	}
+	if out, err := makeTemplate(t, agent, dir, "noimp", "setup.sh", "true\n", "--import", "json,kiln_no_such_module"); err == nil || !strings.Contains(out, "--import kiln_no_such_module: the template's boxes cannot import it (ModuleNotFoundError") {
+		t.Errorf("an --import the setup did not provide: %v\n%s", err, out)
+	}
+	if out, err := makeTemplate(t, agent, dir, "badimp", "setup.sh", "true\n", "--import", "os; import sys"); err == nil || !strings.Contains(out, "not a Python module name") {
+		t.Errorf("an --import that is code: %v\n%s", err, out)
+	}
 	if out, err := makeTemplate(t, agent, dir, "t1", "setup.sh", "true\n"); err == nil || !strings.Contains(out, "exists") {
 		t.Errorf("a second t1: %v\n%s", err, out)
 	}
