@@ -1,6 +1,8 @@
 package boxtemplate
 
 import (
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -22,7 +24,7 @@ type Stage struct {
 // Stage starts making template name. Its files directory is writable by
 // anyone while the setup runs (the setup's box user is a host uid picked
 // per box); the stage's own directory is not listable by them, and its
-// name is random.
+// name holds 128 random bits.
 func (s *Store) Stage(name string) (*Stage, error) {
 	if err := ValidName(name); err != nil {
 		return nil, err
@@ -30,12 +32,18 @@ func (s *Store) Stage(name string) (*Stage, error) {
 	if _, err := os.Lstat(filepath.Join(s.Dir, name)); err == nil {
 		return nil, fmt.Errorf("template %q: %w (remove it first: kiln template rm %s)", name, ErrExists, name)
 	}
-	dir, err := os.MkdirTemp(s.Dir, ".new-"+name+"-")
-	if err != nil {
+	// A name no one can guess: the files directory is writable by all
+	// while the setup runs, and other host users may pass through the
+	// store (never list it).
+	var rnd [16]byte
+	rand.Read(rnd[:])
+	dir := filepath.Join(s.Dir, ".new-"+name+"-"+hex.EncodeToString(rnd[:]))
+	if err := os.Mkdir(dir, 0o700); err != nil {
 		return nil, err
 	}
 	files := filepath.Join(dir, FilesName)
-	if err = os.Chmod(dir, 0o711); err == nil {
+	err := os.Chmod(dir, 0o711)
+	if err == nil {
 		if err = os.Mkdir(files, 0o777); err == nil {
 			err = os.Chmod(files, 0o777) // past the umask
 		}
