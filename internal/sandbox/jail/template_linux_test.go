@@ -153,3 +153,14 @@ func TestTemplateMissingDir(t *testing.T) {
 		t.Errorf("New with a missing template dir: %v", err)
 	}
 }
+
+// TestConformanceWithTemplate: boxes with a template bound in, forked
+// from the zygote, still pass the whole conformance suite, its hostile
+// battery included.
+func TestConformanceWithTemplate(t *testing.T) {
+	if testing.Short() {
+		t.Skip("the conformance suite is long")
+	}
+	b := templateBackend(t, templateDir(t), true, false)
+	sandboxtest.RunWith(t, b, sandboxtest.Options{HostProcesses: true})
+}
