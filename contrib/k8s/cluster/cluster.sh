@@ -118,14 +118,23 @@ alive() { # pidfile → the pid if the process still runs this binary
 	echo "$pid"
 }
 
-stop_proc() { # name
-	local f=$DIR/pids/$1.pid pid i
-	if pid=$(alive "$f"); then
-		kill -TERM "$pid" 2>/dev/null || true
-		for i in $(seq 50); do [ -d "/proc/$pid" ] || break; sleep 0.1; done
-		kill -KILL "$pid" 2>/dev/null || true
-	fi
-	rm -f "$f"
+stop_procs() { # names...: TERM to all at once, KILL what is left after 5 s
+	local n pid i left pids=()
+	for n; do
+		if pid=$(alive "$DIR/pids/$n.pid"); then
+			kill -TERM "$pid" 2>/dev/null || true
+			pids+=("$pid")
+		fi
+		rm -f "$DIR/pids/$n.pid"
+	done
+	for i in $(seq 50); do
+		left=""
+		for pid in "${pids[@]}"; do [ -d "/proc/$pid" ] && left="$left $pid"; done
+		[ -z "$left" ] && return 0
+		sleep 0.1
+	done
+	# shellcheck disable=SC2086
+	kill -KILL $left 2>/dev/null || true
 }
 
 # Our containerd's shims (started with -address $CTRD_SOCK), which a
@@ -155,8 +164,8 @@ wait_for() { # what seconds cmd...
 
 down() {
 	[ -d "$DIR" ] || return 0
-	local n ns c pid m
-	for n in kubelet kube-scheduler kube-controller-manager kube-apiserver etcd; do stop_proc $n; done
+	local ns c pid m
+	stop_procs kubelet kube-scheduler kube-controller-manager kube-apiserver etcd
 	# Containers: kill every task containerd runs for us, then containerd.
 	if alive "$DIR/pids/containerd.pid" >/dev/null && [ -S "$CTRD_SOCK" ]; then
 		for ns in $(ctr -a "$CTRD_SOCK" namespaces ls -q 2>/dev/null); do
@@ -165,8 +174,7 @@ down() {
 			done
 		done
 	fi
-	stop_proc containerd
-	stop_proc registry
+	stop_procs containerd registry
 	for pid in $(leftover_pids); do kill -KILL "$pid" 2>/dev/null || true; done
 	# Mounts under the run dir (overlay rootfs, kubelet volumes), deepest first.
 	for m in $(awk -v d="$DIR/" 'index($5, d) == 1 {print $5}' /proc/self/mountinfo | sort -r); do
@@ -189,11 +197,15 @@ down() {
 
 # ---- up ----
 
+# Ready, and with the Hostname address the apiserver reaches the kubelet
+# by (exec, attach, logs). The node IP is left to the kubelet: it refuses
+# a loopback one and then publishes no address at all.
 status() {
 	[ -f "$DIR/admin.kubeconfig" ] && alive "$DIR/pids/kube-apiserver.pid" >/dev/null &&
 		alive "$DIR/pids/kubelet.pid" >/dev/null &&
 		"$KUBE_BIN/kubectl" --kubeconfig "$DIR/admin.kubeconfig" get node "$NODE" \
-			-o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null | grep -qx True
+			-o jsonpath='{.status.conditions[?(@.type=="Ready")].status} {.status.addresses[?(@.type=="Hostname")].address}' \
+			2>/dev/null | grep -qx "True $NODE"
 }
 
 cert() { # name CN O [SANs]
@@ -353,8 +365,18 @@ maxPods: 250
 EOF
 }
 
+# runsc's shim lowers its own oom_score_adj to -999 at start and fails
+# when it may not (no CAP_SYS_RESOURCE, as in some VMs and containers):
+# there the gvisor RuntimeClass could start no Pod, so it is left out.
 have_gvisor() {
-	[ "${KILN_K8S_GVISOR:-1}" != 0 ] && [ -x "$GVISOR_BIN/containerd-shim-runsc-v1" ] && [ -x "$GVISOR_BIN/runsc" ]
+	[ "${KILN_K8S_GVISOR:-1}" != 0 ] && [ -x "$GVISOR_BIN/containerd-shim-runsc-v1" ] && [ -x "$GVISOR_BIN/runsc" ] &&
+		cap_sys_resource
+}
+
+cap_sys_resource() {
+	local eff
+	eff=$(sed -n 's/^CapEff:[[:space:]]*//p' /proc/self/status)
+	(((0x$eff >> 24) & 1))
 }
 
 # RuntimeClasses for the handlers containerd has: runc always, gvisor
@@ -446,8 +468,10 @@ EOF
 		--bind-address 127.0.0.1 --leader-elect=false
 	start_proc kubelet "$KUBE_BIN/kubelet" \
 		--config "$DIR/kubelet.yaml" --kubeconfig "$DIR/kubelet.kubeconfig" \
-		--root-dir "$DIR/kubelet" --hostname-override "$NODE" --node-ip 127.0.0.1
+		--root-dir "$DIR/kubelet" --hostname-override "$NODE"
 	wait_for "node $NODE" 120 status
+	[ "${KILN_K8S_GVISOR:-1}" = 0 ] || cap_sys_resource ||
+		log "no gvisor RuntimeClass: without CAP_SYS_RESOURCE runsc's shim cannot start (it sets oom_score_adj -999)"
 	runtimeclasses | "$KUBE_BIN/kubectl" --kubeconfig "$kc" apply -f - >/dev/null
 	k=$((($(date +%s%N) - t0) / 1000000))
 	log "up in $((k / 1000)).$(printf %03d $((k % 1000)))s; logs in $DIR/logs; kubectl: $KUBE_BIN/kubectl"
