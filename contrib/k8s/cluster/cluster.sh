@@ -143,7 +143,7 @@ stop_procs() { # names...: TERM to all at once, KILL what is left after 5 s
 leftover_pids() {
 	local p
 	for p in /proc/[0-9]*; do
-		tr '\0' ' ' <"$p/cmdline" 2>/dev/null | grep -qF -- " $CTRD_SOCK " && echo "${p#/proc/}"
+		{ tr '\0' ' ' <"$p/cmdline"; } 2>/dev/null | grep -qF -- " $CTRD_SOCK " && echo "${p#/proc/}"
 	done
 	for p in /sys/fs/cgroup/pids/kubepods /sys/fs/cgroup/kubepods; do
 		[ -d "$p" ] && find "$p" -name cgroup.procs -exec cat {} + 2>/dev/null
