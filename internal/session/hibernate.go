@@ -154,13 +154,15 @@ type hibState struct {
 type hibernator struct {
 	opts HibernateOptions
 	log  *slog.Logger
+	// snapLimit caps one snapshot: the box's workspace and memory limits.
+	snapLimit int64
 	// commit serializes what changes a principal's saved sessions as a
 	// whole: the final rename of a snapshot and evictions for the quota.
 	commit sync.Mutex
 	wg     sync.WaitGroup // checkpoints in flight
 }
 
-func newHibernator(opts HibernateOptions, log *slog.Logger) (*hibernator, error) {
+func newHibernator(opts HibernateOptions, limits sandbox.Limits, log *slog.Logger) (*hibernator, error) {
 	opts.defaults()
 	if err := os.MkdirAll(opts.Dir, 0o700); err != nil {
 		return nil, fmt.Errorf("creating hibernation directory: %w", err)
@@ -168,7 +170,7 @@ func newHibernator(opts HibernateOptions, log *slog.Logger) (*hibernator, error)
 	if err := os.Chmod(opts.Dir, 0o700); err != nil {
 		return nil, fmt.Errorf("making hibernation directory private: %w", err)
 	}
-	return &hibernator{opts: opts, log: log}, nil
+	return &hibernator{opts: opts, log: log, snapLimit: sandbox.SnapshotLimitFor(limits)}, nil
 }
 
 // principalDir names a principal's directory by a hash: principals are
@@ -300,7 +302,7 @@ func (h *hibernator) save(ctx context.Context, principal, name string, box sandb
 	if err := os.Mkdir(tmp, 0o700); err != nil {
 		return nil, fmt.Errorf("creating snapshot directory: %w", err)
 	}
-	info, err := sn.Snapshot(ctx, tmp)
+	info, err := sn.Snapshot(sandbox.WithSnapshotLimit(ctx, h.snapLimit), tmp)
 	if err != nil {
 		os.RemoveAll(tmp)
 		return nil, fmt.Errorf("snapshotting sandbox: %w", err)
@@ -460,20 +462,6 @@ func dirSize(dir string) int64 {
 		return nil
 	})
 	return n
-}
-
-// readManifest reads a snapshot's manifest, for what the resume note says.
-func readManifest(dir string) (*sandbox.SnapshotInfo, error) {
-	f, err := os.Open(filepath.Join(dir, sandbox.ManifestName))
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	var info sandbox.SnapshotInfo
-	if err := json.NewDecoder(io.LimitReader(f, 1<<20)).Decode(&info); err != nil {
-		return nil, fmt.Errorf("reading manifest: %w", err)
-	}
-	return &info, nil
 }
 
 // Session states for SessionList.
@@ -854,7 +842,7 @@ func (s *Session) resume(ctx context.Context) (box sandbox.Sandbox, note string,
 		}
 	}
 	start := time.Now()
-	box, err = m.restoreBox(ctx, snap.dir)
+	box, report, err := m.restoreBox(ctx, snap.dir)
 	took := time.Since(start)
 	if err != nil {
 		if errors.Is(err, ErrBusy) || ctx.Err() != nil {
@@ -872,10 +860,17 @@ func (s *Session) resume(ctx context.Context) (box sandbox.Sandbox, note string,
 	m.observeSession(event.SessionResume, s)
 	note = fmt.Sprintf("resumed this session from hibernation in %s (saved %s ago): its variables and workspace files are as they were; processes that were running in it were not kept",
 		took.Round(time.Millisecond), time.Since(snap.saved).Round(time.Second))
-	if info, err := readManifest(snap.dir); err == nil && len(info.Dropped) > 0 {
-		note += fmt.Sprintf("; not restored: %s", strings.Join(info.Dropped[:min(len(info.Dropped), 10)], ", "))
-		if len(info.Dropped) > 10 {
-			note += fmt.Sprintf(" and %d more", len(info.Dropped)-10)
+	var dropped []string
+	if report != nil {
+		if report.Info != nil {
+			dropped = append(dropped, report.Info.Dropped...)
+		}
+		dropped = append(dropped, report.Dropped...)
+	}
+	if len(dropped) > 0 {
+		note += fmt.Sprintf("; not restored: %s", strings.Join(dropped[:min(len(dropped), 10)], "; "))
+		if len(dropped) > 10 {
+			note += fmt.Sprintf(" and %d more", len(dropped)-10)
 		}
 	}
 	return box, note, nil
@@ -888,7 +883,7 @@ func (s *Session) clearHibernated() {
 }
 
 // restoreBox starts a box from a snapshot under the cap on live boxes.
-func (m *Manager) restoreBox(ctx context.Context, dir string) (sandbox.Sandbox, error) {
+func (m *Manager) restoreBox(ctx context.Context, dir string) (sandbox.Sandbox, *sandbox.RestoreReport, error) {
 	w := m.slots.wait()
 	t := time.NewTimer(m.opts.BoxWait)
 	defer t.Stop()
@@ -896,21 +891,21 @@ func (m *Manager) restoreBox(ctx context.Context, dir string) (sandbox.Sandbox, 
 	case <-w.ready:
 	case <-t.C:
 		m.slots.cancel(w)
-		return nil, &BusyError{Max: m.opts.MaxBoxes, Wait: m.opts.BoxWait, Mode: m.opts.Mode}
+		return nil, nil, &BusyError{Max: m.opts.MaxBoxes, Wait: m.opts.BoxWait, Mode: m.opts.Mode}
 	case <-ctx.Done():
 		m.slots.cancel(w)
-		return nil, ctx.Err()
+		return nil, nil, ctx.Err()
 	}
 	spec := m.pool.spec
 	spec.ID = newID()
 	start := time.Now()
-	box, err := restoreSnapshot(ctx, m.opts.Backend, spec, dir)
+	box, report, err := sandbox.RestoreWithReport(ctx, m.opts.Backend, spec, dir)
 	event.Emit(m.opts.Observer, event.Box{Time: time.Now(), Backend: m.backendName(), Duration: time.Since(start), Err: err != nil})
 	if err != nil {
 		m.slots.release()
-		return nil, fmt.Errorf("restoring snapshot: %w", err)
+		return nil, nil, err
 	}
-	return &countedBox{Sandbox: box, release: m.slots.release}, nil
+	return &countedBox{Sandbox: box, release: m.slots.release}, report, nil
 }
 
 // forgetSaved drops the session's saved state: it was reset, or its box

@@ -205,7 +205,7 @@ func NewManager(opts Options) *Manager {
 	m.warnOvercommit()
 	m.jobs.init()
 	if opts.Hibernate.Dir != "" && opts.Mode == ModeSession {
-		h, err := newHibernator(opts.Hibernate, opts.Logger)
+		h, err := newHibernator(opts.Hibernate, opts.Limits, opts.Logger)
 		if err != nil {
 			m.log.Error("sessions will not be hibernated", "err", err)
 		}
