@@ -57,6 +57,8 @@ type Options struct {
 	Logger      *slog.Logger
 	// Jobs bounds background jobs (jobs.go).
 	Jobs JobOptions
+	// Snapshots configure fork, snapshot and rollback (snapshot.go).
+	Snapshots SnapshotOptions
 	// Observer is told of every execution, session change and box
 	// creation (the audit log, the metrics); nil: no one.
 	Observer event.Observer
@@ -111,6 +113,7 @@ func (o *Options) defaults() {
 		o.MaxBoxes = DefaultMaxBoxes(o.Limits)
 	}
 	o.Jobs.defaults()
+	o.Snapshots.defaults()
 }
 
 // Errors a client can act on.
@@ -180,6 +183,7 @@ type Manager struct {
 	// destroying counts per-call boxes being destroyed after their call.
 	destroying sync.WaitGroup
 	jobs       jobTable // background jobs (jobs.go)
+	snaps      snapStore
 }
 
 // NewManager starts the pool and the idle reaper.
@@ -356,6 +360,7 @@ func (m *Manager) Close() {
 	m.pool.Close()
 	m.destroying.Wait()
 	m.jobs.wait()
+	m.closeSnapshots()
 }
 
 // Outcome is what one call produced, with what kiln did about it.
