@@ -110,6 +110,7 @@ type common struct {
 	bounds      bounds
 	resources   resourceFlags
 	jobs        jobFlags
+	snapshots   snapshotFlags
 	preload     string
 	allowNet    string
 	egressHosts string
@@ -136,6 +137,7 @@ func (c *common) register(fs *flag.FlagSet) {
 	c.bounds.register(fs)
 	c.resources.register(fs)
 	c.jobs.register(fs)
+	c.snapshots.register(fs)
 	fs.StringVar(&c.preload, "preload", "numpy,pandas,matplotlib", "Python modules imported before the first call (skipped when missing)")
 	fs.StringVar(&c.allowNet, "allow-net", "", "hosts sandboxes may reach over HTTP(S), comma-separated: host, *.domain, host:port (default: none, loopback only)")
 	fs.StringVar(&c.egressHosts, "egress-hosts", "", "hosts file (/etc/hosts format) the egress gateway resolves names with before DNS")
@@ -238,6 +240,7 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		PoolSize:       c.poolSize,
 		PoolWorkers:    c.poolWorkers,
 		Jobs:           c.jobs.options(),
+		Snapshots:      c.snapshots.options(),
 		Logger:         log,
 		Observer:       obs.observer(),
 	}))

@@ -50,10 +50,10 @@ const (
 )
 
 func (o *SnapshotOptions) defaults() {
-	if o.Max == 0 {
+	if o.Max <= 0 {
 		o.Max = DefaultMaxSnapshots
 	}
-	if o.Quota == 0 {
+	if o.Quota <= 0 {
 		o.Quota = DefaultSnapshotQuota
 	}
 }
@@ -65,6 +65,8 @@ var (
 	ErrSnapshotsFull   = errors.New("the session keeps as many snapshots as it may")
 	ErrSnapshotQuota   = errors.New("your snapshots take all the disk space you may use")
 	ErrNoSnapshotBoxes = errors.New("snapshots are not supported on this backend")
+	ErrNoSession       = errors.New("no such session")
+	ErrNothingToSave   = errors.New("the session has no sandbox right now: there is nothing to save (run something in it first)")
 )
 
 // snapStore is where a Manager keeps snapshots, made on first use.
@@ -304,7 +306,7 @@ func (s *Session) Snapshot(ctx context.Context, name string) (*sandbox.SnapshotI
 		return nil
 	})
 	if errors.Is(err, ErrNoBox) {
-		return nil, errors.New("the session has no sandbox right now: there is nothing to snapshot (run something in it first)")
+		return nil, ErrNothingToSave
 	}
 	return info, err
 }
@@ -385,7 +387,7 @@ func (m *Manager) Fork(ctx context.Context, principal, src, dst string) (*Restor
 	}
 	from, ok := m.Lookup(principal, src)
 	if !ok {
-		return nil, fmt.Errorf("no session named %q: there is nothing to fork", src)
+		return nil, fmt.Errorf("%w %q: there is nothing to fork", ErrNoSession, src)
 	}
 	if _, ok := m.Lookup(principal, dst); ok {
 		return nil, fmt.Errorf("%w: %q; choose another name, or reset_session it first", ErrSnapshotExists, dst)
@@ -406,7 +408,7 @@ func (m *Manager) Fork(ctx context.Context, principal, src, dst string) (*Restor
 		return err
 	})
 	if errors.Is(err, ErrNoBox) {
-		return nil, fmt.Errorf("session %q has no sandbox right now: there is nothing to fork (run something in it first)", src)
+		return nil, fmt.Errorf("session %q: %w", src, ErrNothingToSave)
 	}
 	if err != nil {
 		return nil, err
