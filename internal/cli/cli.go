@@ -111,6 +111,7 @@ type common struct {
 	resources   resourceFlags
 	jobs        jobFlags
 	hib         hibernateFlags
+	snapshots   snapshotFlags
 	preload     string
 	allowNet    string
 	egressHosts string
@@ -138,6 +139,7 @@ func (c *common) register(fs *flag.FlagSet) {
 	c.resources.register(fs)
 	c.jobs.register(fs)
 	c.hib.register(fs)
+	c.snapshots.register(fs)
 	fs.StringVar(&c.preload, "preload", "numpy,pandas,matplotlib", "Python modules imported before the first call (skipped when missing)")
 	fs.StringVar(&c.allowNet, "allow-net", "", "hosts sandboxes may reach over HTTP(S), comma-separated: host, *.domain, host:port (default: none, loopback only)")
 	fs.StringVar(&c.egressHosts, "egress-hosts", "", "hosts file (/etc/hosts format) the egress gateway resolves names with before DNS")
@@ -210,7 +212,7 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 	if err := c.resources.check(c.maxOutput); err != nil {
 		return nil, err
 	}
-	hib, err := c.hib.options()
+	hib, err := c.hib.options(c.snapshots.stateDir)
 	if err != nil {
 		return nil, err
 	}
@@ -245,6 +247,7 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		PoolWorkers:    c.poolWorkers,
 		Jobs:           c.jobs.options(),
 		Hibernate:      hib,
+		Snapshots:      c.snapshots.options(),
 		Logger:         log,
 		Observer:       obs.observer(),
 	}))

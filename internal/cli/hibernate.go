@@ -9,11 +9,10 @@ import (
 	"kiln/internal/session"
 )
 
-// hibernateFlags configure hibernation: idle sessions saved to
-// <--state-dir>/hibernated and resumed at their next call, in this server
-// or the next one.
+// hibernateFlags configure hibernation: with --state-dir (snapshots.go),
+// idle sessions are saved to <--state-dir>/hibernated and resumed at their
+// next call, in this server or the next one.
 type hibernateFlags struct {
-	stateDir        string
 	after           time.Duration
 	ttl             time.Duration
 	quotaMiB        int64
@@ -22,7 +21,6 @@ type hibernateFlags struct {
 }
 
 func (h *hibernateFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&h.stateDir, "state-dir", "", "directory (root only, 0700) for state that outlives the server: hibernated sessions go to DIR/hibernated (default: none, sessions end with the server)")
 	fs.DurationVar(&h.after, "hibernate-after", session.DefaultHibernateAfter, "with --state-dir: a session unused this long is saved to disk and its sandbox destroyed; its next call resumes it")
 	fs.DurationVar(&h.ttl, "hibernate-ttl", session.DefaultHibernateTTL, "with --state-dir: how long a hibernated session is kept on disk")
 	fs.Int64Var(&h.quotaMiB, "hibernate-quota", session.DefaultHibernateQuota>>20, "with --state-dir: disk space of one client's saved sessions, MiB; past it, that client's oldest saved sessions are expired")
@@ -30,15 +28,16 @@ func (h *hibernateFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&h.saveTimeout, "hibernate-shutdown-time", session.DefaultHibernateSaveTimeout, "with --state-dir: the most the server spends saving live sessions when it stops")
 }
 
-// options returns the session options; Dir is empty without --state-dir.
-func (h *hibernateFlags) options() (session.HibernateOptions, error) {
-	if h.stateDir == "" {
+// options returns the session options for --state-dir; Dir is empty
+// without one: sessions end with the server.
+func (h *hibernateFlags) options(stateDir string) (session.HibernateOptions, error) {
+	if stateDir == "" {
 		return session.HibernateOptions{}, nil
 	}
 	if h.after < 0 || h.ttl < 0 || h.quotaMiB < 0 || h.checkpointEvery < 0 || h.saveTimeout < 0 {
 		return session.HibernateOptions{}, errors.New("--hibernate-after, --hibernate-ttl, --hibernate-quota, --checkpoint-every and --hibernate-shutdown-time must not be negative")
 	}
-	dir, err := filepath.Abs(h.stateDir)
+	dir, err := filepath.Abs(stateDir)
 	if err != nil {
 		return session.HibernateOptions{}, err
 	}

@@ -151,6 +151,7 @@ func (s *Server) addTools() {
 		Annotations: &mcp.ToolAnnotations{DestructiveHint: &destructive, OpenWorldHint: boolPtr(false)},
 	}, guard(s, s.resetSession, func(a ResetSessionArgs) string { return a.Session }))
 	s.addSessionTools()
+	s.addSnapshotTools()
 }
 
 func boolPtr(b bool) *bool { return &b }

@@ -61,22 +61,43 @@ func RestoreWithReport(ctx context.Context, b Backend, spec Spec, dir string) (S
 	if err != nil {
 		return nil, nil, fmt.Errorf("restoring snapshot: %w", err)
 	}
+	if rep.Dropped, err = loadInto(ctx, box, dir, info, b.Name()); err != nil {
+		box.Close()
+		return nil, nil, err
+	}
+	rep.Took = time.Since(start)
+	return box, rep, nil
+}
+
+// LoadInto loads the state-level snapshot in dir into box, a fresh box
+// (from Create or a pool), and reseeds its random generators; it returns
+// what the box could not load. On an error box may hold part of the
+// state: the caller destroys it. backend names box's backend in errors.
+func LoadInto(ctx context.Context, box Sandbox, dir, backend string) (dropped []string, err error) {
+	info, err := ReadManifest(dir)
+	if err != nil {
+		return nil, err
+	}
+	if info.Format != FormatState {
+		return nil, fmt.Errorf("%w: %q; only %s snapshots load into a running box", ErrSnapshotFormat, info.Format, FormatState)
+	}
+	return loadInto(ctx, box, dir, info, backend)
+}
+
+func loadInto(ctx context.Context, box Sandbox, dir string, info *SnapshotInfo, backend string) ([]string, error) {
 	l, ok := box.(StateLoader)
 	if !ok {
-		box.Close()
-		return nil, nil, fmt.Errorf("restoring snapshot: the %s backend's boxes cannot load state: %w", b.Name(), ErrUnsupported)
+		return nil, fmt.Errorf("restoring snapshot: the %s backend's boxes cannot load state: %w", backend, ErrUnsupported)
 	}
-	if rep.Dropped, err = l.LoadState(ctx, dir, info); err != nil {
-		box.Close()
-		return nil, nil, fmt.Errorf("restoring snapshot: %w", err)
+	dropped, err := l.LoadState(ctx, dir, info)
+	if err != nil {
+		return nil, fmt.Errorf("restoring snapshot: %w", err)
 	}
 	// The loaded globals may hold generators of the saved box's random
 	// modules' state; the modules themselves were imported fresh, but a
 	// fork must not draw what its source draws.
 	if _, err := box.RunPython(ctx, ReseedCell, ExecOptions{MaxOutput: 4096}); err != nil {
-		box.Close()
-		return nil, nil, fmt.Errorf("reseeding restored box: %w", err)
+		return nil, fmt.Errorf("reseeding restored box: %w", err)
 	}
-	rep.Took = time.Since(start)
-	return box, rep, nil
+	return dropped, nil
 }

@@ -98,8 +98,6 @@ func (o *HibernateOptions) defaults() {
 
 // Errors of hibernation.
 var (
-	// ErrNoSnapshot is a backend whose boxes cannot be saved.
-	ErrNoSnapshot = errors.New("this backend's sandboxes cannot be snapshotted")
 	// ErrHibernateQuota is a snapshot larger than the principal's quota.
 	ErrHibernateQuota = errors.New("the snapshot is larger than the hibernation quota")
 	// errNotOwner is a saved session whose owner file names another
@@ -286,7 +284,7 @@ func (h *hibernator) latest(principal, name string) (savedSnap, error) {
 func (h *hibernator) save(ctx context.Context, principal, name string, box sandbox.Sandbox, live func(principal, name string) bool) (*sandbox.SnapshotInfo, error) {
 	sn, ok := inner(box).(sandbox.Snapshotter)
 	if !ok {
-		return nil, ErrNoSnapshot
+		return nil, ErrNoSnapshotBoxes
 	}
 	dir := h.sessionDir(principal, name)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -500,7 +498,7 @@ func (m *Manager) SessionList(principal string) []SessionInfo {
 		si.Name = k.name
 		s.mu.Lock()
 		switch {
-		case s.hib.hibernated:
+		case s.asleep():
 			si.State = StateHibernated
 		case s.box != nil:
 			si.State, si.LastUsed = StateLive, s.lastUsed
@@ -533,7 +531,7 @@ func (m *Manager) isLive(principal, name string) bool {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return !s.hib.hibernated
+	return !s.asleep()
 }
 
 // liveCounts counts the live sessions, not hibernated ones, in all and of
@@ -544,9 +542,9 @@ func (m *Manager) liveCounts(principal string, except *Session) (total, owned in
 			continue
 		}
 		s.mu.Lock()
-		hib := s.hib.hibernated
+		asleep := s.asleep()
 		s.mu.Unlock()
-		if hib {
+		if asleep {
 			continue
 		}
 		total++
@@ -593,7 +591,7 @@ func (m *Manager) hibernateIdle() {
 	for _, s := range m.sessions {
 		s.mu.Lock()
 		switch {
-		case s.hib.hibernated || s.box == nil || s.job != nil:
+		case s.box == nil || s.job != nil:
 		case !s.hib.failed && now.Sub(s.lastUsed) > h.opts.After:
 			idle = append(idle, s)
 		case s.hib.dirty && h.opts.CheckpointEvery > 0 && now.Sub(s.hib.mark) >= h.opts.CheckpointEvery:
@@ -719,7 +717,7 @@ func (m *Manager) checkpoint(s *Session, background bool) {
 // the session's turn.
 func (m *Manager) saveLive(s *Session) {
 	s.mu.Lock()
-	box, busy := s.box, s.job != nil || s.closed || s.hib.hibernated
+	box, busy := s.box, s.job != nil || s.closed
 	s.mu.Unlock()
 	if busy || box == nil || !alive(box) {
 		return
@@ -782,9 +780,9 @@ func (m *Manager) saveAtClose(ctx context.Context, s *Session) bool {
 			return false
 		}
 		s.mu.Lock()
-		box, job, hib := s.box, s.job, s.hib.hibernated
+		box, job := s.box, s.job
 		s.mu.Unlock()
-		if hib || box == nil || !alive(box) {
+		if box == nil || !alive(box) {
 			s.turn <- struct{}{}
 			return false
 		}
@@ -831,9 +829,9 @@ func (s *Session) resume(ctx context.Context) (box sandbox.Sandbox, note string,
 		return nil, fmt.Sprintf("this session's saved state could not be read (%v); %s: %s", err, msgNewBox, m.survived(true, true)), nil
 	}
 	s.mu.Lock()
-	hib := s.hib.hibernated
+	asleep := s.asleep()
 	s.mu.Unlock()
-	if hib { // it leaves the hibernated, uncounted sessions
+	if asleep { // it leaves the hibernated, uncounted sessions
 		m.mu.Lock()
 		err := m.quotaFor(s.principal, s)
 		m.mu.Unlock()
@@ -842,7 +840,7 @@ func (s *Session) resume(ctx context.Context) (box sandbox.Sandbox, note string,
 		}
 	}
 	start := time.Now()
-	box, report, err := m.restoreBox(ctx, snap.dir)
+	box, dropped, err := m.restoreBox(ctx, snap.dir)
 	took := time.Since(start)
 	if err != nil {
 		if errors.Is(err, ErrBusy) || ctx.Err() != nil {
@@ -860,13 +858,6 @@ func (s *Session) resume(ctx context.Context) (box sandbox.Sandbox, note string,
 	m.observeSession(event.SessionResume, s)
 	note = fmt.Sprintf("resumed this session from hibernation in %s (saved %s ago): its variables and workspace files are as they were; processes that were running in it were not kept",
 		took.Round(time.Millisecond), time.Since(snap.saved).Round(time.Second))
-	var dropped []string
-	if report != nil {
-		if report.Info != nil {
-			dropped = append(dropped, report.Info.Dropped...)
-		}
-		dropped = append(dropped, report.Dropped...)
-	}
 	if len(dropped) > 0 {
 		note += fmt.Sprintf("; not restored: %s", strings.Join(dropped[:min(len(dropped), 10)], "; "))
 		if len(dropped) > 10 {
@@ -876,14 +867,37 @@ func (s *Session) resume(ctx context.Context) (box sandbox.Sandbox, note string,
 	return box, note, nil
 }
 
+// asleep reports whether the session's state is only on disk: it was
+// hibernated and nothing has given it a box since. Call it with s.mu held.
+func (s *Session) asleep() bool { return s.hib.hibernated && s.box == nil }
+
 func (s *Session) clearHibernated() {
 	s.mu.Lock()
 	s.hib.hibernated = false
 	s.mu.Unlock()
 }
 
-// restoreBox starts a box from a snapshot under the cap on live boxes.
-func (m *Manager) restoreBox(ctx context.Context, dir string) (sandbox.Sandbox, *sandbox.RestoreReport, error) {
+// restoreBox starts a box from a snapshot under the cap on live boxes: a
+// state-level snapshot is loaded into a box of the pool (already warm), a
+// backend's own format is restored by the backend.
+func (m *Manager) restoreBox(ctx context.Context, dir string) (sandbox.Sandbox, []string, error) {
+	info, err := sandbox.ReadManifest(dir)
+	if err != nil {
+		return nil, nil, err
+	}
+	dropped := info.Dropped
+	if info.Format == sandbox.FormatState {
+		box, err := m.getBox(ctx)
+		if err != nil {
+			return nil, nil, err
+		}
+		more, err := sandbox.LoadInto(ctx, inner(box), dir, m.backendName())
+		if err != nil {
+			box.Close()
+			return nil, nil, err
+		}
+		return box, append(dropped, more...), nil
+	}
 	w := m.slots.wait()
 	t := time.NewTimer(m.opts.BoxWait)
 	defer t.Stop()
@@ -905,7 +919,16 @@ func (m *Manager) restoreBox(ctx context.Context, dir string) (sandbox.Sandbox, 
 		m.slots.release()
 		return nil, nil, err
 	}
-	return &countedBox{Sandbox: box, release: m.slots.release}, report, nil
+	return &countedBox{Sandbox: box, release: m.slots.release}, append(dropped, report.Dropped...), nil
+}
+
+// hasSaved reports whether the principal's session has state on disk.
+func (m *Manager) hasSaved(principal, name string) bool {
+	if m.hib == nil || !ValidName(name) {
+		return false
+	}
+	_, err := m.hib.latest(principal, name)
+	return err == nil
 }
 
 // forgetSaved drops the session's saved state: it was reset, or its box
@@ -921,7 +944,7 @@ func (m *Manager) forgetSaved(principal, name string) bool {
 func (s *Session) wasHibernated() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.hib.hibernated
+	return s.asleep()
 }
 
 // expirable says whether the idle TTL may drop the session: with
@@ -933,7 +956,7 @@ func (s *Session) expirable() bool {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.hib.hibernated || s.hib.failed || s.box == nil
+	return s.asleep() || s.hib.failed || s.box == nil
 }
 
 // fromSaved is ensure's step for a session that needs a box: one restored

@@ -36,8 +36,8 @@ func forBackends(t *testing.T, f func(t *testing.T, b sandbox.Backend)) {
 	t.Run("jail", func(t *testing.T) { f(t, jailBackend(t, false)) })
 }
 
-// run runs code in the principal's session and returns its outcome.
-func run(t *testing.T, mgr *session.Manager, principal, name, code string) *session.Outcome {
+// hibRun runs code in the principal's session and returns its outcome.
+func hibRun(t *testing.T, mgr *session.Manager, principal, name, code string) *session.Outcome {
 	t.Helper()
 	s, err := mgr.Get(principal, name)
 	if err != nil {
@@ -66,18 +66,18 @@ const resumedNote = "resumed this session from hibernation in "
 func TestHibernateIdle(t *testing.T) {
 	forBackends(t, func(t *testing.T, b sandbox.Backend) {
 		mgr := hibernating(t, b, t.TempDir(), session.HibernateOptions{After: 200 * time.Millisecond, CheckpointEvery: -1}, session.Options{})
-		run(t, mgr, "local", "s", "x = 41\nimport pandas as pd\ndf = pd.DataFrame({'a': range(1000)})")
+		hibRun(t, mgr, "local", "s", "x = 41\nimport pandas as pd\ndf = pd.DataFrame({'a': range(1000)})")
 		waitUntil(t, func() bool {
 			return stateOf(mgr, "local", "s").State == session.StateHibernated && mgr.LiveBoxes() == 0
 		}, "the idle session to be hibernated")
-		out := run(t, mgr, "local", "s", "x + 1 + int(df.a.sum() == 499500)")
+		out := hibRun(t, mgr, "local", "s", "x + 1 + int(df.a.sum() == 499500)")
 		if out.Result["text/plain"] != "43" || out.Fresh || !strings.Contains(out.Note, resumedNote) {
 			t.Fatalf("after hibernation: %+v %+v", out.ExecResult, out)
 		}
 		if si := stateOf(mgr, "local", "s"); si.State != session.StateLive {
 			t.Errorf("after resuming, the session is %q", si.State)
 		}
-		out = run(t, mgr, "local", "s", "x")
+		out = hibRun(t, mgr, "local", "s", "x")
 		if strings.Contains(out.Note, "resumed") {
 			t.Errorf("the call after the resume says it resumed: %q", out.Note)
 		}
@@ -90,7 +90,7 @@ func TestHibernateRestart(t *testing.T) {
 	forBackends(t, func(t *testing.T, b sandbox.Backend) {
 		dir := t.TempDir()
 		mgr := hibernating(t, b, dir, session.HibernateOptions{CheckpointEvery: -1}, session.Options{})
-		run(t, mgr, "local", "s", "x = 41")
+		hibRun(t, mgr, "local", "s", "x = 41")
 		if s, _ := mgr.Get("local", "s"); true {
 			if err := s.WithBox(context.Background(), func(box sandbox.Sandbox) error {
 				return box.WriteFile(context.Background(), "notes/a.txt", []byte("kept"))
@@ -124,11 +124,11 @@ func TestHibernateRestart(t *testing.T) {
 		if si := stateOf(mgr2, "local", "s"); si.State != session.StateHibernated || si.Bytes == 0 {
 			t.Errorf("list_sessions after the restart: %+v", si)
 		}
-		out := run(t, mgr2, "local", "s", "x + 1")
+		out := hibRun(t, mgr2, "local", "s", "x + 1")
 		if out.Result["text/plain"] != "42" || !strings.Contains(out.Note, resumedNote) {
 			t.Fatalf("after the restart: %+v %+v", out.ExecResult, out)
 		}
-		out = run(t, mgr2, "local", "s", "open('notes/a.txt').read()")
+		out = hibRun(t, mgr2, "local", "s", "open('notes/a.txt').read()")
 		if out.Result["text/plain"] != "'kept'" {
 			t.Errorf("a workspace file after the restart: %+v", out.ExecResult)
 		}
@@ -142,7 +142,7 @@ func TestHibernateOtherPrincipal(t *testing.T) {
 	forBackends(t, func(t *testing.T, b sandbox.Backend) {
 		dir := t.TempDir()
 		mgr := hibernating(t, b, dir, session.HibernateOptions{CheckpointEvery: -1}, session.Options{})
-		run(t, mgr, "alice", "s", "secret = 41")
+		hibRun(t, mgr, "alice", "s", "secret = 41")
 		finishes(t, "closing the first manager", mgr.Close)
 
 		// bob's session directory is a copy of alice's (a hash collision, a
@@ -152,14 +152,14 @@ func TestHibernateOtherPrincipal(t *testing.T) {
 			t.Fatal(err)
 		}
 		mgr2 := hibernating(t, b, dir, session.HibernateOptions{CheckpointEvery: -1}, session.Options{})
-		out := run(t, mgr2, "bob", "s", "'secret' in globals()")
+		out := hibRun(t, mgr2, "bob", "s", "'secret' in globals()")
 		if out.Result["text/plain"] != "False" || strings.Contains(out.Note, "resumed") {
 			t.Errorf("bob's session s: %+v %q", out.ExecResult, out.Note)
 		}
 		if got := stateOf(mgr2, "bob", "s"); got.State != session.StateLive {
 			t.Errorf("bob sees his session as %+v", got)
 		}
-		run(t, mgr2, "bob", "t", "1") // bob's directory now exists
+		hibRun(t, mgr2, "bob", "t", "1") // bob's directory now exists
 		finishes(t, "closing the second manager", mgr2.Close)
 		bobReal := principalDir(t, dir, "bob")
 		os.RemoveAll(filepath.Join(bobReal, "s-s"))
@@ -172,11 +172,11 @@ func TestHibernateOtherPrincipal(t *testing.T) {
 				t.Errorf("bob's list shows alice's session: %+v", si)
 			}
 		}
-		out = run(t, mgr3, "bob", "s", "'secret' in globals()")
+		out = hibRun(t, mgr3, "bob", "s", "'secret' in globals()")
 		if out.Result["text/plain"] != "False" || !strings.Contains(out.Note, "could not be read") {
 			t.Errorf("bob's session s with alice's owner file: %+v %q", out.ExecResult, out.Note)
 		}
-		out = run(t, mgr3, "alice", "s", "secret + 1")
+		out = hibRun(t, mgr3, "alice", "s", "secret + 1")
 		if out.Result["text/plain"] != "42" || !strings.Contains(out.Note, resumedNote) {
 			t.Errorf("alice's own session: %+v %q", out.ExecResult, out.Note)
 		}
@@ -207,11 +207,11 @@ func TestHibernateTTL(t *testing.T) {
 	forBackends(t, func(t *testing.T, b sandbox.Backend) {
 		dir := t.TempDir()
 		mgr := hibernating(t, b, dir, session.HibernateOptions{CheckpointEvery: -1}, session.Options{})
-		run(t, mgr, "local", "s", "x = 41")
+		hibRun(t, mgr, "local", "s", "x = 41")
 		finishes(t, "closing the first manager", mgr.Close)
 		mgr2 := hibernating(t, b, dir, session.HibernateOptions{After: 100 * time.Millisecond, TTL: 300 * time.Millisecond, CheckpointEvery: -1}, session.Options{})
 		waitUntil(t, func() bool { return len(mgr2.SessionList("local")) == 0 }, "the saved session to expire")
-		out := run(t, mgr2, "local", "s", "'x' in globals()")
+		out := hibRun(t, mgr2, "local", "s", "'x' in globals()")
 		if out.Result["text/plain"] != "False" || strings.Contains(out.Note, "resumed") {
 			t.Errorf("after the TTL: %+v %q", out.ExecResult, out.Note)
 		}
@@ -229,15 +229,15 @@ func TestHibernateQuota(t *testing.T) {
 		mgr := hibernating(t, b, dir, h, session.Options{})
 		// Random bytes: the archive is compressed or not, they stay ~400 KiB.
 		fill := "import os\nblob = os.urandom(400 << 10)"
-		run(t, mgr, "local", "old", fill)
-		run(t, mgr, "other", "old", fill)
+		hibRun(t, mgr, "local", "old", fill)
+		hibRun(t, mgr, "other", "old", fill)
 		finishes(t, "closing the first manager", mgr.Close)
 		time.Sleep(10 * time.Millisecond) // the next saves are newer
 
 		mgr2 := hibernating(t, b, dir, h, session.Options{})
-		run(t, mgr2, "local", "mid", fill)
-		run(t, mgr2, "local", "new", fill)
-		run(t, mgr2, "local", "huge", "import os\nhuge = os.urandom(2 << 20)")
+		hibRun(t, mgr2, "local", "mid", fill)
+		hibRun(t, mgr2, "local", "new", fill)
+		hibRun(t, mgr2, "local", "huge", "import os\nhuge = os.urandom(2 << 20)")
 		finishes(t, "closing the second manager", mgr2.Close)
 
 		mgr3 := hibernating(t, b, dir, h, session.Options{})
@@ -264,15 +264,15 @@ func TestHibernateCheckpoint(t *testing.T) {
 		dir := t.TempDir()
 		h := session.HibernateOptions{CheckpointEvery: time.Nanosecond}
 		mgr := hibernating(t, b, dir, h, session.Options{})
-		run(t, mgr, "local", "s", "x = 41")
-		run(t, mgr, "local", "s", "x = x") // its mark was set by the first call
+		hibRun(t, mgr, "local", "s", "x = 41")
+		hibRun(t, mgr, "local", "s", "x = x") // its mark was set by the first call
 		waitUntil(t, func() bool { return !stateOf(mgr, "local", "s").Saved.IsZero() }, "a checkpoint")
 		if si := stateOf(mgr, "local", "s"); si.State != session.StateLive {
 			t.Errorf("a checkpointed session is %q, want live", si.State)
 		}
 		// A second server on the same directory while the first never closed.
 		mgr2 := hibernating(t, b, dir, session.HibernateOptions{CheckpointEvery: -1}, session.Options{})
-		out := run(t, mgr2, "local", "s", "x + 1")
+		out := hibRun(t, mgr2, "local", "s", "x + 1")
 		if out.Result["text/plain"] != "42" || !strings.Contains(out.Note, resumedNote) {
 			t.Errorf("from the checkpoint: %+v %q", out.ExecResult, out.Note)
 		}
@@ -284,13 +284,13 @@ func TestHibernateReset(t *testing.T) {
 	forBackends(t, func(t *testing.T, b sandbox.Backend) {
 		dir := t.TempDir()
 		mgr := hibernating(t, b, dir, session.HibernateOptions{CheckpointEvery: -1}, session.Options{})
-		run(t, mgr, "local", "s", "x = 41")
+		hibRun(t, mgr, "local", "s", "x = 41")
 		finishes(t, "closing the first manager", mgr.Close)
 		mgr2 := hibernating(t, b, dir, session.HibernateOptions{CheckpointEvery: -1}, session.Options{})
 		if !mgr2.Reset("local", "s") {
 			t.Error("resetting a saved session reports nothing to reset")
 		}
-		out := run(t, mgr2, "local", "s", "'x' in globals()")
+		out := hibRun(t, mgr2, "local", "s", "'x' in globals()")
 		if out.Result["text/plain"] != "False" || !out.Fresh {
 			t.Errorf("after the reset: %+v %+v", out.ExecResult, out)
 		}
@@ -303,9 +303,9 @@ func TestHibernatedDoNotCount(t *testing.T) {
 	forBackends(t, func(t *testing.T, b sandbox.Backend) {
 		mgr := hibernating(t, b, t.TempDir(), session.HibernateOptions{After: 200 * time.Millisecond, CheckpointEvery: -1},
 			session.Options{MaxSessionsPerPrincipal: 1})
-		run(t, mgr, "local", "a", "x = 1")
+		hibRun(t, mgr, "local", "a", "x = 1")
 		waitUntil(t, func() bool { return stateOf(mgr, "local", "a").State == session.StateHibernated }, "a to hibernate")
-		run(t, mgr, "local", "b", "y = 2")
+		hibRun(t, mgr, "local", "b", "y = 2")
 		s, err := mgr.Get("local", "a")
 		if err != nil {
 			t.Fatal(err)
@@ -315,7 +315,7 @@ func TestHibernatedDoNotCount(t *testing.T) {
 			t.Errorf("resuming past the quota: %v", err)
 		}
 		mgr.Reset("local", "b")
-		out := run(t, mgr, "local", "a", "x")
+		out := hibRun(t, mgr, "local", "a", "x")
 		if out.Result["text/plain"] != "1" || !strings.Contains(out.Note, resumedNote) {
 			t.Errorf("resuming within the quota: %+v %q", out.ExecResult, out.Note)
 		}
@@ -343,7 +343,7 @@ func TestHibernateCorrupt(t *testing.T) {
 			t.Run(tc.name, func(t *testing.T) {
 				dir := t.TempDir()
 				mgr := hibernating(t, b, dir, session.HibernateOptions{CheckpointEvery: -1}, session.Options{})
-				run(t, mgr, "local", "s", "x = 41")
+				hibRun(t, mgr, "local", "s", "x = 41")
 				finishes(t, "closing the first manager", mgr.Close)
 				snaps, _ := filepath.Glob(filepath.Join(principalDir(t, dir, "local"), "s-s", "snap-*"))
 				if len(snaps) != 1 {
@@ -353,7 +353,7 @@ func TestHibernateCorrupt(t *testing.T) {
 					t.Fatal(err)
 				}
 				mgr2 := hibernating(t, b, dir, session.HibernateOptions{CheckpointEvery: -1}, session.Options{})
-				out := run(t, mgr2, "local", "s", "'x' in globals()")
+				out := hibRun(t, mgr2, "local", "s", "'x' in globals()")
 				if out.Result["text/plain"] != "False" || !out.Fresh || !strings.Contains(out.Note, "could not be") {
 					t.Errorf("a damaged snapshot: %+v %+v", out.ExecResult, out)
 				}
@@ -361,6 +361,28 @@ func TestHibernateCorrupt(t *testing.T) {
 					t.Errorf("after a damaged snapshot: %+v", got)
 				}
 			})
+		}
+	})
+}
+
+// TestHibernateFork: a hibernated session, found on disk after a restart,
+// can be forked: the fork wakes it first.
+func TestHibernateFork(t *testing.T) {
+	forBackends(t, func(t *testing.T, b sandbox.Backend) {
+		dir := t.TempDir()
+		h := session.HibernateOptions{CheckpointEvery: -1}
+		mgr := hibernating(t, b, dir, h, session.Options{})
+		hibRun(t, mgr, "local", "s", "x = 41")
+		finishes(t, "closing the first manager", mgr.Close)
+		mgr2 := hibernating(t, b, dir, h, session.Options{Snapshots: session.SnapshotOptions{StateDir: dir}})
+		if _, err := mgr2.Fork(context.Background(), "local", "s", "f"); err != nil {
+			t.Fatalf("forking a hibernated session: %v", err)
+		}
+		if out := hibRun(t, mgr2, "local", "f", "x + 1"); out.Result["text/plain"] != "42" {
+			t.Errorf("the fork: %+v", out.ExecResult)
+		}
+		if si := stateOf(mgr2, "local", "s"); si.State != session.StateLive {
+			t.Errorf("the forked source is %+v", si)
 		}
 	})
 }

@@ -57,6 +57,8 @@ type Options struct {
 	Logger      *slog.Logger
 	// Jobs bounds background jobs (jobs.go).
 	Jobs JobOptions
+	// Snapshots configure fork, snapshot and rollback (snapshot.go).
+	Snapshots SnapshotOptions
 	// Observer is told of every execution, session change and box
 	// creation (the audit log, the metrics); nil: no one.
 	Observer event.Observer
@@ -117,6 +119,7 @@ func (o *Options) defaults() {
 	if o.Hibernate.Dir != "" {
 		o.Hibernate.defaults()
 	}
+	o.Snapshots.defaults()
 }
 
 // Errors a client can act on.
@@ -185,7 +188,8 @@ type Manager struct {
 	wg       sync.WaitGroup
 	// destroying counts per-call boxes being destroyed after their call.
 	destroying sync.WaitGroup
-	jobs       jobTable    // background jobs (jobs.go)
+	jobs       jobTable // background jobs (jobs.go)
+	snaps      snapStore
 	hib        *hibernator // nil: sessions are not saved (hibernate.go)
 }
 
@@ -372,6 +376,7 @@ func (m *Manager) Close() {
 	m.pool.Close()
 	m.destroying.Wait()
 	m.jobs.wait()
+	m.closeSnapshots()
 }
 
 // Outcome is what one call produced, with what kiln did about it.
