@@ -5,11 +5,11 @@
 // call's result says so.
 import { describe, it, after } from 'node:test';
 import assert from 'node:assert/strict';
-import { mkdtempSync, rmSync, readdirSync, statSync } from 'node:fs';
+import { mkdtempSync, rmSync, readdirSync, statSync, writeFileSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 
-import { call, ok, text, connectStdio } from './helpers.mjs';
+import { call, ok, text, connectStdio, startHTTP, connectHTTP, sleep } from './helpers.mjs';
 
 describe('hibernate (stdio, --state-dir)', () => {
   const dir = mkdtempSync(path.join(os.tmpdir(), 'kiln-e2e-hib-'));
@@ -66,6 +66,82 @@ describe('hibernate (stdio, --state-dir)', () => {
       assert.doesNotMatch(t, /resumed/, t);
     } finally {
       await second.close();
+    }
+  });
+});
+
+// Over HTTP: SIGTERM saves the sessions, each resumes only for the token's
+// principal, and after kill -9 a session comes back as of its last
+// checkpoint.
+describe('hibernate (HTTP, SIGTERM and kill -9, two principals)', () => {
+  const dir = mkdtempSync(path.join(os.tmpdir(), 'kiln-e2e-hib-'));
+  const tokens = mkdtempSync(path.join(os.tmpdir(), 'kiln-e2e-tok-'));
+  const tokenFile = path.join(tokens, 'tokens');
+  writeFileSync(tokenFile, 'alice:hibernate-token-of-alice\nbob:hibernate-token-of-bob\n', { mode: 0o600 });
+  after(() => {
+    rmSync(dir, { recursive: true, force: true });
+    rmSync(tokens, { recursive: true, force: true });
+  });
+  const flags = ['--state-dir', dir, '--token-file', tokenFile, '--preload', ''];
+
+  it('SIGTERM saves a session that only its principal resumes', async () => {
+    let srv = await startHTTP({ flags });
+    try {
+      const alice = await connectHTTP(srv.url, 'hibernate-token-of-alice');
+      ok(await call(alice.client, 'run_python', { session: 'mine', code: 'secret = 41' }));
+      await alice.close();
+    } finally {
+      await srv.stop();
+    }
+    assert.match(srv.log(), /hibernated sessions at shutdown.*saved=1/, srv.log());
+
+    srv = await startHTTP({ flags });
+    try {
+      const bob = await connectHTTP(srv.url, 'hibernate-token-of-bob');
+      const theirs = text(await call(bob.client, 'list_sessions', {}));
+      assert.match(theirs, /^0 sessions$/, theirs);
+      const t = ok(await call(bob.client, 'run_python', { session: 'mine', code: "print('secret' in globals())" }));
+      assert.match(t, /^False$/m, t);
+      assert.doesNotMatch(t, /resumed/, t);
+      await bob.close();
+
+      const alice = await connectHTTP(srv.url, 'hibernate-token-of-alice');
+      const a = ok(await call(alice.client, 'run_python', { session: 'mine', code: 'print(secret + 1)' }));
+      assert.match(a, /^42$/m, a);
+      assert.match(a, /resumed this session from hibernation/, a);
+      await alice.close();
+    } finally {
+      await srv.stop();
+    }
+  });
+
+  it('after kill -9 a session comes back as of its last checkpoint', async () => {
+    const ck = [...flags, '--checkpoint-every', '1ms'];
+    let srv = await startHTTP({ flags: ck });
+    try {
+      const alice = await connectHTTP(srv.url, 'hibernate-token-of-alice');
+      ok(await call(alice.client, 'run_python', { session: 'ck', code: 'x = 1' }));
+      ok(await call(alice.client, 'run_python', { session: 'ck', code: 'x = 2' }));
+      let list = '';
+      for (const deadline = Date.now() + 30_000; Date.now() < deadline; await sleep(100)) {
+        list = text(await call(alice.client, 'list_sessions', {}));
+        if (/^ck\tlive, idle .*, saved .* ago \(\d+ bytes\)$/m.test(list)) break; // not "changed since"
+      }
+      assert.match(list, /^ck\tlive, idle .*, saved .* ago \(\d+ bytes\)$/m, list);
+      await alice.close();
+    } finally {
+      srv.proc.kill('SIGKILL');
+      await new Promise((resolve) => (srv.proc.exitCode !== null || srv.proc.signalCode !== null ? resolve() : srv.proc.once('exit', resolve)));
+    }
+    srv = await startHTTP({ flags: ck });
+    try {
+      const alice = await connectHTTP(srv.url, 'hibernate-token-of-alice');
+      const t = ok(await call(alice.client, 'run_python', { session: 'ck', code: 'print(x)' }));
+      assert.match(t, /^2$/m, t);
+      assert.match(t, /resumed this session from hibernation/, t);
+      await alice.close();
+    } finally {
+      await srv.stop();
     }
   });
 });

@@ -34,6 +34,7 @@ type sessionEntry struct {
 	IdleS    int64  `json:"idle_s,omitempty"`
 	SavedAgo int64  `json:"saved_s_ago,omitempty"`
 	Bytes    int64  `json:"bytes,omitempty"`
+	Unsaved  bool   `json:"unsaved,omitempty"`
 }
 
 func (s *Server) listSessions(_ context.Context, req *mcp.CallToolRequest, _ ListSessionsArgs) (*mcp.CallToolResult, any, error) {
@@ -43,7 +44,7 @@ func (s *Server) listSessions(_ context.Context, req *mcp.CallToolRequest, _ Lis
 	entries := make([]sessionEntry, 0, len(list))
 	now := time.Now()
 	for _, si := range list {
-		e := sessionEntry{Name: si.Name, State: si.State, Bytes: si.Bytes}
+		e := sessionEntry{Name: si.Name, State: si.State, Bytes: si.Bytes, Unsaved: si.Unsaved}
 		fmt.Fprintf(&b, "%s\t%s", si.Name, si.State)
 		if !si.LastUsed.IsZero() && si.State != session.StateHibernated {
 			e.IdleS = int64(now.Sub(si.LastUsed).Seconds())
@@ -52,6 +53,9 @@ func (s *Server) listSessions(_ context.Context, req *mcp.CallToolRequest, _ Lis
 		if !si.Saved.IsZero() {
 			e.SavedAgo = int64(now.Sub(si.Saved).Seconds())
 			fmt.Fprintf(&b, ", saved %s ago (%d bytes)", now.Sub(si.Saved).Round(time.Second), si.Bytes)
+		}
+		if si.Unsaved {
+			b.WriteString(", changed since")
 		}
 		b.WriteString("\n")
 		entries = append(entries, e)

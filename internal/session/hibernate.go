@@ -478,6 +478,8 @@ type SessionInfo struct {
 	Saved    time.Time
 	Bytes    int64
 	LastUsed time.Time // live sessions
+	// Unsaved: a call ran in the live session since its last save.
+	Unsaved bool
 }
 
 // SessionList returns the principal's sessions: those in memory and those
@@ -502,6 +504,7 @@ func (m *Manager) SessionList(principal string) []SessionInfo {
 			si.State = StateHibernated
 		case s.box != nil:
 			si.State, si.LastUsed = StateLive, s.lastUsed
+			si.Unsaved = m.hib != nil && s.hib.dirty
 		default:
 			si.State, si.LastUsed = StateNew, s.lastUsed
 			if !si.Saved.IsZero() && !s.hib.failed {
