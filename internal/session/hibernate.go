@@ -318,7 +318,7 @@ func (h *hibernator) save(ctx context.Context, principal, name string, box sandb
 	}
 	snaps, _ := snapDirs(dir)
 	for _, old := range snaps[min(1, len(snaps)):] {
-		os.RemoveAll(old.dir)
+		discard(old.dir)
 	}
 	if info == nil {
 		info = &sandbox.SnapshotInfo{}
@@ -357,7 +357,7 @@ func (h *hibernator) makeRoom(principal, name string, size int64, live func(prin
 			break
 		}
 		h.log.Warn("expired a hibernated session to stay within the principal's quota", "principal", principal, "session", o.Name, "bytes", o.Bytes, "quota", h.opts.Quota)
-		os.RemoveAll(h.sessionDir(principal, o.Name))
+		discard(h.sessionDir(principal, o.Name))
 		total -= o.Bytes
 	}
 	return nil
@@ -371,7 +371,7 @@ func (h *hibernator) remove(principal, name string) bool {
 	}
 	h.commit.Lock()
 	defer h.commit.Unlock()
-	os.RemoveAll(dir)
+	discard(dir)
 	return true
 }
 
@@ -413,6 +413,10 @@ func (h *hibernator) expire(live func(principal, name string) bool) {
 		sents, _ := os.ReadDir(pdir)
 		for _, s := range sents {
 			sdir := filepath.Join(pdir, s.Name())
+			if strings.HasPrefix(s.Name(), gonePrefix) { // a discard cut short
+				os.RemoveAll(sdir)
+				continue
+			}
 			h.sweepTmp(sdir, now)
 			o, err := readOwner(sdir)
 			if err != nil {
@@ -424,7 +428,7 @@ func (h *hibernator) expire(live func(principal, name string) bool) {
 			}
 			if len(snaps) == 0 || now.Sub(snaps[0].saved) > h.opts.TTL {
 				h.commit.Lock()
-				os.RemoveAll(sdir)
+				discard(sdir)
 				h.commit.Unlock()
 				if len(snaps) > 0 {
 					h.log.Info("hibernated session expired", "principal", o.Principal, "session", o.Session, "saved", snaps[0].saved)
@@ -434,11 +438,27 @@ func (h *hibernator) expire(live func(principal, name string) bool) {
 	}
 }
 
+const gonePrefix = ".gone-"
+
+// discard removes a directory so that no reader sees it half removed: it
+// is renamed out of the way first, then removed.
+func discard(dir string) {
+	gone := filepath.Join(filepath.Dir(dir), gonePrefix+newID())
+	if os.Rename(dir, gone) == nil {
+		dir = gone
+	}
+	os.RemoveAll(dir)
+}
+
 // sweepTmp removes snapshots that have been half-written for an hour:
 // a save interrupted by a crash.
 func (h *hibernator) sweepTmp(sdir string, now time.Time) {
 	ents, _ := os.ReadDir(sdir)
 	for _, e := range ents {
+		if strings.HasPrefix(e.Name(), gonePrefix) {
+			os.RemoveAll(filepath.Join(sdir, e.Name()))
+			continue
+		}
 		if !strings.HasSuffix(e.Name(), ".tmp") {
 			continue
 		}
@@ -500,8 +520,10 @@ func (m *Manager) SessionList(principal string) []SessionInfo {
 		si.Name = k.name
 		s.mu.Lock()
 		switch {
-		case s.asleep():
+		case s.asleep() && !si.Saved.IsZero():
 			si.State = StateHibernated
+		case s.asleep(): // its save expired
+			si.State, si.LastUsed = StateNew, s.lastUsed
 		case s.box != nil:
 			si.State, si.LastUsed = StateLive, s.lastUsed
 			si.Unsaved = m.hib != nil && s.hib.dirty
@@ -597,7 +619,7 @@ func (m *Manager) hibernateIdle() {
 		case s.box == nil || s.job != nil:
 		case !s.hib.failed && now.Sub(s.lastUsed) > h.opts.After:
 			idle = append(idle, s)
-		case s.hib.dirty && h.opts.CheckpointEvery > 0 && now.Sub(s.hib.mark) >= h.opts.CheckpointEvery:
+		case !s.hib.failed && s.hib.dirty && h.opts.CheckpointEvery > 0 && now.Sub(s.hib.mark) >= h.opts.CheckpointEvery:
 			due = append(due, s)
 		}
 		s.mu.Unlock()
@@ -729,8 +751,11 @@ func (m *Manager) saveLive(s *Session) {
 	defer cancel()
 	start := time.Now()
 	info, err := m.hib.save(ctx, s.principal, s.name, box, m.isLive)
-	if err != nil {
+	if err != nil { // not retried until the next call
 		m.log.Warn("could not checkpoint a session", "session", s.name, "principal", s.principal, "err", err)
+		s.mu.Lock()
+		s.hib.failed = true
+		s.mu.Unlock()
 		return
 	}
 	s.mu.Lock()
@@ -821,7 +846,10 @@ func (s *Session) resume(ctx context.Context) (box sandbox.Sandbox, note string,
 	snap, err := h.latest(s.principal, s.name)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
-		s.clearHibernated()
+		if s.wasHibernated() { // expired (--hibernate-ttl, --hibernate-quota) meanwhile
+			s.clearHibernated()
+			return nil, fmt.Sprintf("this session was hibernated, and its saved state has since expired (--hibernate-ttl %s, or the disk quota); %s: %s", h.opts.TTL, msgNewBox, m.survived(true, true)), nil
+		}
 		return nil, "", nil
 	case err != nil:
 		m.log.Warn("a saved session could not be read; starting a fresh sandbox", "session", s.name, "principal", s.principal, "err", err)
