@@ -14,6 +14,7 @@ import (
 	"sync"
 	"time"
 
+	"kiln/internal/event"
 	"kiln/internal/sandbox"
 )
 
@@ -308,6 +309,9 @@ func (s *Session) Snapshot(ctx context.Context, name string) (*sandbox.SnapshotI
 	if errors.Is(err, ErrNoBox) {
 		return nil, ErrNothingToSave
 	}
+	if err == nil {
+		m.observeSession(event.SessionSnapshot, s)
+	}
 	return info, err
 }
 
@@ -350,6 +354,7 @@ func (s *Session) Restore(ctx context.Context, name string) (*RestoreReport, err
 	if err := s.replaceBox(box); err != nil {
 		return nil, err
 	}
+	m.observeSession(event.SessionRestore, s)
 	return &RestoreReport{Info: info, Dropped: dropped, Took: time.Since(start)}, nil
 }
 
@@ -435,5 +440,7 @@ func (m *Manager) Fork(ctx context.Context, principal, src, dst string) (*Restor
 	if err := to.replaceBox(box); err != nil {
 		return nil, err
 	}
+	m.observeSession(event.SessionSnapshot, from)
+	m.observeSession(event.SessionRestore, to)
 	return &RestoreReport{Info: info, Dropped: dropped, Took: time.Since(start)}, nil
 }
