@@ -65,7 +65,7 @@ var (
 	ErrSnapshotExists  = errors.New("a session by that name already exists")
 	ErrSnapshotsFull   = errors.New("the session keeps as many snapshots as it may")
 	ErrSnapshotQuota   = errors.New("your snapshots take all the disk space you may use")
-	ErrNoSnapshotBoxes = errors.New("snapshots are not supported on this backend")
+	ErrNoSnapshotBoxes = errors.New("snapshots are not supported")
 	ErrNoSession       = errors.New("no such session")
 	ErrNothingToSave   = errors.New("the session has no sandbox right now: there is nothing to save (run something in it first)")
 )
@@ -203,7 +203,7 @@ func (m *Manager) snapshotter(box sandbox.Sandbox) (sandbox.Snapshotter, error) 
 	if s, ok := inner(box).(sandbox.Snapshotter); ok {
 		return s, nil
 	}
-	return nil, fmt.Errorf("%w: not supported on the %s backend", ErrNoSnapshotBoxes, m.opts.Backend.Name())
+	return nil, fmt.Errorf("%w on the %s backend: its boxes cannot save their state", ErrNoSnapshotBoxes, m.opts.Backend.Name())
 }
 
 // saveTo snapshots box into a new directory dir (its parent exists).
