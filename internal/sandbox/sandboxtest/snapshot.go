@@ -126,3 +126,62 @@ func mustRun(t *testing.T, ctx context.Context, box sandbox.Sandbox, code string
 	}
 	return res.Stdout.Text
 }
+
+// Restoring wraps a backend so that every box it makes is a restored one:
+// a fresh box with the state-level snapshot in dir loaded into it, as a
+// fork or a rollback makes them. Running the conformance suite on it
+// shows that a restored box keeps every restriction. The wrapper keeps the
+// backend's leak check.
+func Restoring(b sandbox.Backend, dir string) sandbox.Backend {
+	return &restoring{Backend: b, dir: dir}
+}
+
+type restoring struct {
+	sandbox.Backend
+	dir string
+}
+
+func (r *restoring) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbox, error) {
+	box, err := r.Backend.Create(ctx, spec)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := sandbox.LoadInto(ctx, box, r.dir, r.Name()); err != nil {
+		box.Close()
+		return nil, err
+	}
+	return box, nil
+}
+
+func (r *restoring) Leftovers() []string {
+	if lc, ok := r.Backend.(LeakChecker); ok {
+		return lc.Leftovers()
+	}
+	return nil
+}
+
+// StateSnapshot saves a small state-level snapshot (a few globals, no
+// files, so a restored box's workspace starts empty as a fresh one's
+// does) of a box of b into a new directory and returns it.
+func StateSnapshot(t testing.TB, b sandbox.Backend) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	box, err := b.Create(ctx, sandbox.Spec{ID: "snap-template"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer box.Close()
+	res, err := box.RunPython(ctx, "restored = {'from': 'a snapshot'}\ndef helper(x):\n    return x", sandbox.ExecOptions{})
+	if err != nil || res.Error != nil {
+		t.Fatalf("%v %+v", err, res)
+	}
+	dir := filepath.Join(t.TempDir(), "snap")
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := box.(sandbox.Snapshotter).Snapshot(ctx, dir); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
