@@ -431,6 +431,10 @@ def _state(req):
         return {"state_error": "unknown state operation"}
     except ImportError as e:
         return {"state_error": "cannot %s the kernel's state: %s (python3-dill is needed in the sandbox's runtime)" % (op, e)}
+    except OSError as e:
+        if e.errno == 28:  # ENOSPC
+            return {"state_error": "cannot %s the session's state: the sandbox's /tmp, where it is packed, has no room for it; delete large files or variables first" % op}
+        return {"state_error": "cannot %s the kernel's state: %s: %s" % (op, type(e).__name__, e)}
     except BaseException as e:  # noqa: BLE001
         return {"state_error": "cannot %s the kernel's state: %s: %s" % (op, type(e).__name__, e)}
 
