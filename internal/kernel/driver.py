@@ -344,7 +344,11 @@ def _state_save(path, workspace):
                 try:
                     tar.add(full, arcname="workspace/" + rel, recursive=False)
                 except OSError as e:
+                    if e.errno == 28:  # ENOSPC: the archive itself
+                        raise
                     dropped.append("file %s: %s" % (rel, e.strerror))
+                except Exception as e:  # noqa: BLE001 - a name tar cannot encode
+                    dropped.append("file %s: %s" % (rel, e))
     return {"saved": _state_list(saved), "dropped": _state_list(dropped)}
 
 
@@ -392,8 +396,8 @@ def _state_load(path, workspace):
                                 break
                             out.write(chunk)
                     os.utime(dst, (m.mtime, m.mtime))
-            except OSError as e:
-                dropped.append("file %s: %s" % (rel, e.strerror))
+            except Exception as e:  # noqa: BLE001
+                dropped.append("file %s: %s" % (rel, getattr(e, "strerror", None) or e))
         for name, module in dict(meta.get("modules", {})).items():
             try:
                 ns[str(name)] = importlib.import_module(str(module))

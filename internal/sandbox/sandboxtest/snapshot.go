@@ -45,6 +45,7 @@ gen = (i for i in range(3))
 fh = open("/tmp/handle.txt", "w")
 os.makedirs("sub", exist_ok=True)
 open("sub/data.txt", "w").write("hello state")
+os.symlink("sub/data.txt", "link")
 random.seed(7); np.random.seed(7)
 `)
 	dir := t.TempDir()
@@ -66,6 +67,9 @@ random.seed(7); np.random.seed(7)
 	}
 	if !slices.ContainsFunc(info.Dropped, func(s string) bool { return strings.HasPrefix(s, "fh: open file handles are not saved") }) {
 		t.Errorf("the open file is not named as dropped: %v", info.Dropped)
+	}
+	if !slices.Contains(info.Dropped, "file link: symbolic links are not saved") {
+		t.Errorf("the symlink is not named as dropped: %v", info.Dropped)
 	}
 	if st, err := os.Stat(filepath.Join(dir, sandbox.StateArchive)); err != nil || st.Mode().Perm() != 0o600 {
 		t.Errorf("archive: %v %v", st, err)
