@@ -344,7 +344,11 @@ def _state_save(path, workspace):
                 try:
                     tar.add(full, arcname="workspace/" + rel, recursive=False)
                 except OSError as e:
+                    if e.errno == 28:  # ENOSPC: the archive itself
+                        raise
                     dropped.append("file %s: %s" % (rel, e.strerror))
+                except Exception as e:  # noqa: BLE001 - a name tar cannot encode
+                    dropped.append("file %s: %s" % (rel, e))
     return {"saved": _state_list(saved), "dropped": _state_list(dropped)}
 
 
@@ -392,8 +396,8 @@ def _state_load(path, workspace):
                                 break
                             out.write(chunk)
                     os.utime(dst, (m.mtime, m.mtime))
-            except OSError as e:
-                dropped.append("file %s: %s" % (rel, e.strerror))
+            except Exception as e:  # noqa: BLE001
+                dropped.append("file %s: %s" % (rel, getattr(e, "strerror", None) or e))
         for name, module in dict(meta.get("modules", {})).items():
             try:
                 ns[str(name)] = importlib.import_module(str(module))
@@ -431,6 +435,10 @@ def _state(req):
         return {"state_error": "unknown state operation"}
     except ImportError as e:
         return {"state_error": "cannot %s the kernel's state: %s (python3-dill is needed in the sandbox's runtime)" % (op, e)}
+    except OSError as e:
+        if e.errno == 28:  # ENOSPC
+            return {"state_error": "cannot %s the session's state: the sandbox's /tmp, where it is packed, has no room for it; delete large files or variables first" % op}
+        return {"state_error": "cannot %s the kernel's state: %s: %s" % (op, type(e).__name__, e)}
     except BaseException as e:  # noqa: BLE001
         return {"state_error": "cannot %s the kernel's state: %s: %s" % (op, type(e).__name__, e)}
 

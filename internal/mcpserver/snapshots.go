@@ -68,13 +68,13 @@ func (s *Server) addSnapshotTools() {
 		Title:       "List a session's snapshots",
 		Description: "List a session's snapshots: name, when it was taken, its size, and what it could not keep.",
 		Annotations: &mcp.ToolAnnotations{ReadOnlyHint: ro, OpenWorldHint: boolPtr(false)},
-	}, guard(s, s.listSnapshots, func(a ListSnapshotsArgs) string { return "" }))
+	}, guard(s, s.listSnapshots, func(a ListSnapshotsArgs) string { return a.Session }))
 	mcp.AddTool(s.mcp, &mcp.Tool{
 		Name:        "delete_snapshot",
 		Title:       "Delete a snapshot",
 		Description: "Delete one of a session's snapshots, to free room for another.",
 		Annotations: &mcp.ToolAnnotations{DestructiveHint: &destructive, OpenWorldHint: boolPtr(false)},
-	}, guard(s, s.deleteSnapshot, func(a DeleteSnapshotArgs) string { return "" }))
+	}, guard(s, s.deleteSnapshot, func(a DeleteSnapshotArgs) string { return a.Session }))
 }
 
 // snapshotFailure is an error of a snapshot tool as a result: what the

@@ -330,8 +330,12 @@ func (c *AgentConn) call(ctx context.Context, req agentproto.Request) (resp *age
 	if req.Op != agentproto.OpPython && req.Op != agentproto.OpShell {
 		// The deadline also covers the write: an agent that stopped
 		// reading blocks it, and destroying the box unblocks it.
-		t := time.AfterFunc(c.timeout, func() {
-			c.fail(fmt.Errorf("%w: no answer to a %s request within %s", ErrUnresponsive, req.Op, c.timeout))
+		timeout := c.timeout
+		if req.Op == agentproto.OpSaveState || req.Op == agentproto.OpLoadState {
+			timeout = max(timeout, StateTimeout) // pickling scales with the state
+		}
+		t := time.AfterFunc(timeout, func() {
+			c.fail(fmt.Errorf("%w: no answer to a %s request within %s", ErrUnresponsive, req.Op, timeout))
 		})
 		defer t.Stop()
 	}

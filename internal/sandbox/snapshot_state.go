@@ -28,6 +28,11 @@ var _ Snapshotter = (*AgentConn)(nil)
 // ErrSnapshotTooLarge is a box whose state is over the snapshot cap.
 var ErrSnapshotTooLarge = errors.New("sandbox: the box's state is larger than a snapshot may be")
 
+// StateTimeout bounds saving or loading a box's state in the box: pickling
+// gigabytes takes a while, a cell's __reduce__ that never returns takes
+// forever (and the box is destroyed).
+const StateTimeout = 10 * time.Minute
+
 // stateChunk is how much of an archive one request moves.
 const stateChunk = 4 << 20
 

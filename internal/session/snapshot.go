@@ -14,6 +14,7 @@ import (
 	"sync"
 	"time"
 
+	"kiln/internal/event"
 	"kiln/internal/sandbox"
 )
 
@@ -64,7 +65,7 @@ var (
 	ErrSnapshotExists  = errors.New("a session by that name already exists")
 	ErrSnapshotsFull   = errors.New("the session keeps as many snapshots as it may")
 	ErrSnapshotQuota   = errors.New("your snapshots take all the disk space you may use")
-	ErrNoSnapshotBoxes = errors.New("snapshots are not supported on this backend")
+	ErrNoSnapshotBoxes = errors.New("snapshots are not supported")
 	ErrNoSession       = errors.New("no such session")
 	ErrNothingToSave   = errors.New("the session has no sandbox right now: there is nothing to save (run something in it first)")
 )
@@ -202,7 +203,7 @@ func (m *Manager) snapshotter(box sandbox.Sandbox) (sandbox.Snapshotter, error) 
 	if s, ok := inner(box).(sandbox.Snapshotter); ok {
 		return s, nil
 	}
-	return nil, fmt.Errorf("%w: not supported on the %s backend", ErrNoSnapshotBoxes, m.opts.Backend.Name())
+	return nil, fmt.Errorf("%w on the %s backend: its boxes cannot save their state", ErrNoSnapshotBoxes, m.opts.Backend.Name())
 }
 
 // saveTo snapshots box into a new directory dir (its parent exists).
@@ -308,6 +309,9 @@ func (s *Session) Snapshot(ctx context.Context, name string) (*sandbox.SnapshotI
 	if errors.Is(err, ErrNoBox) {
 		return nil, ErrNothingToSave
 	}
+	if err == nil {
+		m.observeSession(event.SessionSnapshot, s)
+	}
 	return info, err
 }
 
@@ -350,6 +354,7 @@ func (s *Session) Restore(ctx context.Context, name string) (*RestoreReport, err
 	if err := s.replaceBox(box); err != nil {
 		return nil, err
 	}
+	m.observeSession(event.SessionRestore, s)
 	return &RestoreReport{Info: info, Dropped: dropped, Took: time.Since(start)}, nil
 }
 
@@ -435,5 +440,7 @@ func (m *Manager) Fork(ctx context.Context, principal, src, dst string) (*Restor
 	if err := to.replaceBox(box); err != nil {
 		return nil, err
 	}
+	m.observeSession(event.SessionSnapshot, from)
+	m.observeSession(event.SessionRestore, to)
 	return &RestoreReport{Info: info, Dropped: dropped, Took: time.Since(start)}, nil
 }

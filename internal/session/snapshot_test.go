@@ -10,6 +10,7 @@ import (
 	"strings"
 	"testing"
 
+	"kiln/internal/sandbox"
 	"kiln/internal/session"
 	"kiln/internal/session/sessiontest"
 )
@@ -170,4 +171,34 @@ func getSessionAs(t *testing.T, mgr *session.Manager, principal, name string) *s
 		t.Fatal(err)
 	}
 	return s
+}
+
+// plainBackend's boxes have no optional abilities, as the wasm backend's
+// have no snapshots.
+type plainBackend struct{ *sessiontest.Backend }
+
+func (b plainBackend) Name() string { return "wasm" }
+func (b plainBackend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbox, error) {
+	box, err := b.Backend.Create(ctx, spec)
+	if err != nil {
+		return nil, err
+	}
+	return struct{ sandbox.Sandbox }{box}, nil
+}
+
+// A backend whose boxes cannot save themselves says so by name.
+func TestSnapshotUnsupported(t *testing.T) {
+	b := sessiontest.New(t, &sessiontest.Options{Python: sessiontest.Python(t)})
+	mgr := session.NewManager(session.Options{Backend: plainBackend{b}})
+	defer mgr.Close()
+	s := getSession(t, mgr, "w")
+	run(t, s, "x = 1")
+	_, err := s.Snapshot(context.Background(), "n")
+	if !errors.Is(err, session.ErrNoSnapshotBoxes) || !strings.Contains(err.Error(), "not supported on the wasm backend") {
+		t.Errorf("snapshot: %v", err)
+	}
+	_, err = mgr.Fork(context.Background(), "local", "w", "w2")
+	if !errors.Is(err, session.ErrNoSnapshotBoxes) {
+		t.Errorf("fork: %v", err)
+	}
 }

@@ -45,6 +45,7 @@ gen = (i for i in range(3))
 fh = open("/tmp/handle.txt", "w")
 os.makedirs("sub", exist_ok=True)
 open("sub/data.txt", "w").write("hello state")
+os.symlink("sub/data.txt", "link")
 random.seed(7); np.random.seed(7)
 `)
 	dir := t.TempDir()
@@ -66,6 +67,9 @@ random.seed(7); np.random.seed(7)
 	}
 	if !slices.ContainsFunc(info.Dropped, func(s string) bool { return strings.HasPrefix(s, "fh: open file handles are not saved") }) {
 		t.Errorf("the open file is not named as dropped: %v", info.Dropped)
+	}
+	if !slices.Contains(info.Dropped, "file link: symbolic links are not saved") {
+		t.Errorf("the symlink is not named as dropped: %v", info.Dropped)
 	}
 	if st, err := os.Stat(filepath.Join(dir, sandbox.StateArchive)); err != nil || st.Mode().Perm() != 0o600 {
 		t.Errorf("archive: %v %v", st, err)
@@ -125,4 +129,63 @@ func mustRun(t *testing.T, ctx context.Context, box sandbox.Sandbox, code string
 		t.Fatalf("%s: %s", res.Error.Name, res.Error.Traceback)
 	}
 	return res.Stdout.Text
+}
+
+// Restoring wraps a backend so that every box it makes is a restored one:
+// a fresh box with the state-level snapshot in dir loaded into it, as a
+// fork or a rollback makes them. Running the conformance suite on it
+// shows that a restored box keeps every restriction. The wrapper keeps the
+// backend's leak check.
+func Restoring(b sandbox.Backend, dir string) sandbox.Backend {
+	return &restoring{Backend: b, dir: dir}
+}
+
+type restoring struct {
+	sandbox.Backend
+	dir string
+}
+
+func (r *restoring) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbox, error) {
+	box, err := r.Backend.Create(ctx, spec)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := sandbox.LoadInto(ctx, box, r.dir, r.Name()); err != nil {
+		box.Close()
+		return nil, err
+	}
+	return box, nil
+}
+
+func (r *restoring) Leftovers() []string {
+	if lc, ok := r.Backend.(LeakChecker); ok {
+		return lc.Leftovers()
+	}
+	return nil
+}
+
+// StateSnapshot saves a small state-level snapshot (a few globals, no
+// files, so a restored box's workspace starts empty as a fresh one's
+// does) of a box of b into a new directory and returns it.
+func StateSnapshot(t testing.TB, b sandbox.Backend) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	box, err := b.Create(ctx, sandbox.Spec{ID: "snap-template"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer box.Close()
+	res, err := box.RunPython(ctx, "restored = {'from': 'a snapshot'}\ndef helper(x):\n    return x", sandbox.ExecOptions{})
+	if err != nil || res.Error != nil {
+		t.Fatalf("%v %+v", err, res)
+	}
+	dir := filepath.Join(t.TempDir(), "snap")
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := box.(sandbox.Snapshotter).Snapshot(ctx, dir); err != nil {
+		t.Fatal(err)
+	}
+	return dir
 }
