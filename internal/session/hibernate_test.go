@@ -394,7 +394,9 @@ func TestHibernateExpiredInMemory(t *testing.T) {
 		mgr := hibernating(t, b, t.TempDir(), session.HibernateOptions{After: 100 * time.Millisecond, TTL: 400 * time.Millisecond, CheckpointEvery: -1}, session.Options{})
 		hibRun(t, mgr, "local", "s", "x = 41")
 		waitUntil(t, func() bool { return stateOf(mgr, "local", "s").State == session.StateHibernated }, "the session to hibernate")
-		waitUntil(t, func() bool { return stateOf(mgr, "local", "s").State == session.StateNew || stateOf(mgr, "local", "s").State == "" }, "its save to expire")
+		waitUntil(t, func() bool {
+			return stateOf(mgr, "local", "s").State == session.StateNew || stateOf(mgr, "local", "s").State == ""
+		}, "its save to expire")
 		out := hibRun(t, mgr, "local", "s", "'x' in globals()")
 		if out.Result["text/plain"] != "False" || !out.Fresh || !strings.Contains(out.Note, "has since expired") {
 			t.Errorf("after the save expired: %+v %+v", out.ExecResult, out)
