@@ -54,7 +54,10 @@ func (s *Server) listSessions(_ context.Context, req *mcp.CallToolRequest, _ Lis
 			e.SavedAgo = int64(now.Sub(si.Saved).Seconds())
 			fmt.Fprintf(&b, ", saved %s ago (%d bytes)", now.Sub(si.Saved).Round(time.Second), si.Bytes)
 		}
-		if si.Unsaved {
+		switch {
+		case si.Unsaved && si.Saved.IsZero():
+			b.WriteString(", not saved yet")
+		case si.Unsaved:
 			b.WriteString(", changed since")
 		}
 		b.WriteString("\n")
