@@ -364,7 +364,8 @@ func (s *Session) touched() {
 }
 
 // checkpoint saves a live session and keeps it running: in the background
-// (once the call that asked for it has released the turn), or now.
+// (once the call that asked for it has released the turn), or now if no
+// call is running (the reaper, which must not wait behind one).
 func (m *Manager) checkpoint(s *Session, background bool) {
 	s.mu.Lock()
 	if s.hib.saving {
@@ -373,12 +374,24 @@ func (m *Manager) checkpoint(s *Session, background bool) {
 	}
 	s.hib.saving = true
 	s.mu.Unlock()
+	done := func() {
+		s.mu.Lock()
+		s.hib.saving = false
+		s.mu.Unlock()
+	}
+	if !background { // the reaper: never wait behind a running call
+		defer done()
+		select {
+		case <-s.turn:
+		default:
+			return
+		}
+		defer func() { s.turn <- struct{}{} }()
+		m.saveLive(s)
+		return
+	}
 	run := func() {
-		defer func() {
-			s.mu.Lock()
-			s.hib.saving = false
-			s.mu.Unlock()
-		}()
+		defer done()
 		select {
 		case <-s.turn:
 		case <-s.closing:
@@ -389,12 +402,15 @@ func (m *Manager) checkpoint(s *Session, background bool) {
 		defer func() { s.turn <- struct{}{} }()
 		m.saveLive(s)
 	}
-	if !background {
-		run()
-		return
+	h := m.hib
+	h.stopMu.Lock()
+	defer h.stopMu.Unlock()
+	if h.stopping {
+		done()
+		return // the shutdown saves it
 	}
-	m.hib.wg.Add(1)
-	go func() { defer m.hib.wg.Done(); run() }()
+	h.wg.Add(1)
+	go func() { defer h.wg.Done(); run() }()
 }
 
 // saveLive snapshots a live session's box, which keeps running. Call it on
@@ -427,6 +443,9 @@ func (m *Manager) saveLive(s *Session) {
 // within SaveTimeout. A session whose call does not end in time keeps its
 // last checkpoint.
 func (m *Manager) hibernateAll(all map[key]*Session) {
+	m.hib.stopMu.Lock()
+	m.hib.stopping = true
+	m.hib.stopMu.Unlock()
 	m.hib.wg.Wait()
 	ctx, cancel := context.WithTimeout(context.Background(), m.hib.opts.SaveTimeout)
 	defer cancel()

@@ -36,6 +36,10 @@ type hibernator struct {
 	// whole: the final rename of a snapshot and evictions for the quota.
 	commit sync.Mutex
 	wg     sync.WaitGroup // checkpoints in flight
+	// stopping is set once shutdown has begun: no new checkpoint starts
+	// (wg.Add must not race with the shutdown's wg.Wait).
+	stopMu   sync.Mutex
+	stopping bool
 }
 
 func newHibernator(opts HibernateOptions, limits sandbox.Limits, log *slog.Logger) (*hibernator, error) {
