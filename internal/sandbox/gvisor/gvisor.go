@@ -56,6 +56,14 @@ type Options struct {
 	// Debug keeps runsc's debug logs in each box's state directory (they go
 	// away with the box).
 	Debug bool
+	// Template is a host directory (a configured template's files, kiln
+	// template create) bound read-only at boxplan.TemplateDir in every box
+	// and in the warm-start template before its checkpoint, with its
+	// python directory on PYTHONPATH (template.go).
+	Template string
+	// TemplateWritable binds Template writable instead, for the
+	// template's own setup (and disables warm start).
+	TemplateWritable bool
 	// Logger receives lifecycle events. Default: discard.
 	Logger *slog.Logger
 }

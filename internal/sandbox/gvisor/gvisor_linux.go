@@ -63,6 +63,9 @@ func New(opts Options) (*Backend, error) {
 		return nil, err
 	}
 	opts.Agent = agent
+	if err := prepareTemplate(&opts); err != nil {
+		return nil, err
+	}
 	runsc := opts.Runsc
 	if runsc == "" {
 		if runsc, err = EnsureRunsc(context.Background(), opts.Logger); err != nil {
@@ -104,6 +107,12 @@ func New(opts Options) (*Backend, error) {
 		if err := buildHostRoot(b.root, opts.UID, opts.GID); err != nil {
 			os.RemoveAll(b.dir)
 			return nil, err
+		}
+		if opts.Template != "" {
+			if err := templateMountPoint(b.root); err != nil {
+				os.RemoveAll(b.dir)
+				return nil, err
+			}
 		}
 	}
 	b.log.Info("gvisor backend ready", "runsc", runsc, "version", version, "platform", opts.Platform, "state", b.dir)
@@ -182,6 +191,9 @@ func (b *Backend) spec(spec sandbox.Spec) boxSpec {
 		Preload: spec.Preload,
 		UID:     b.opts.UID,
 		GID:     b.opts.GID,
+
+		Template:   b.opts.Template,
+		TemplateRW: b.opts.TemplateWritable,
 	}
 	if b.opts.Rootfs == "" {
 		cfg.HostDirs = presentHostDirs()

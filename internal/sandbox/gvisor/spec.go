@@ -38,6 +38,8 @@ type boxConfig struct {
 	Preload    []string
 	UID, GID   uint32 // the code's user; the agent runs as root of the box
 	CgroupPath string
+	Template   string // host directory bound at boxplan.TemplateDir; "": none
+	TemplateRW bool   // writable: the template's setup
 }
 
 // hostDir is a host directory bound read-only at the same path.
@@ -91,6 +93,7 @@ func buildSpec(c boxConfig) *specs.Spec {
 	mounts = append(mounts,
 		specs.Mount{Destination: boxplan.AgentPath, Type: "bind", Source: c.Agent, Options: roBind},
 		tmpfs[boxplan.Workspace], tmpfs[boxplan.Tmp])
+	mounts = append(mounts, templateMounts(c)...)
 	var rlimits []specs.POSIXRlimit
 	for _, r := range plan.Rlimits {
 		rlimits = append(rlimits, specs.POSIXRlimit{Type: r.Name, Hard: r.Value, Soft: r.Value})
@@ -105,7 +108,7 @@ func buildSpec(c boxConfig) *specs.Spec {
 			Terminal: false,
 			User:     specs.User{UID: 0, GID: 0},
 			Args:     args,
-			Env:      append(slices.Clone(plan.Env), boxplan.UserEnv(int(c.UID))...),
+			Env:      append(append(slices.Clone(plan.Env), boxplan.UserEnv(int(c.UID))...), templateEnv(c)...),
 			Cwd:      plan.Workspace,
 			Capabilities: &specs.LinuxCapabilities{
 				Bounding:  agentCaps,
