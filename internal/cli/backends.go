@@ -93,7 +93,7 @@ var registry = []backendEntry{
 					}
 					runsc = p
 				}
-				return gvisor.New(gvisor.Options{Agent: agent, Runsc: runsc, Logger: env.log})
+				return gvisor.New(gvisor.Options{Agent: agent, Runsc: runsc, Logger: env.log, Template: env.template})
 			}
 		},
 	},
@@ -168,7 +168,7 @@ type backendEnv struct {
 	net      *network       // never nil
 	allBoxes sandbox.Limits // all boxes together; zero fields: no such limit
 	log      *slog.Logger
-	template string // a configured template's files (only the jail takes one)
+	template string // a configured template's files (the jail and gvisor take one)
 	// doctor builds the backend only to check it: nothing slow is built
 	// (runsc), only what is cached is used.
 	doctor bool

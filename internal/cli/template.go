@@ -21,29 +21,30 @@ import (
 	"kiln/internal/mcpserver"
 	"kiln/internal/sandbox"
 	"kiln/internal/sandbox/boxplan"
-	"kiln/internal/sandbox/jail"
 )
 
 const templateUsage = `Usage:
-  kiln template create NAME --setup FILE [--import MODULES] [--allow-net HOSTS] [flags]
+  kiln template create NAME --setup FILE [--import MODULES] [--allow-net HOSTS] [--backend jail|gvisor] [flags]
   kiln template list
   kiln template rm NAME
 
 A template is what an operator's setup code leaves in a box: Python
 packages installed with pip --target "$KILN_TEMPLATE_FILES/python", data files
-under "$KILN_TEMPLATE_FILES". kiln template create starts a jail box whose
-/template is writable, runs FILE in it once (python3 if it ends in .py,
-else bash) under the template's network policy (--allow-net, as kiln serve
-has it; default: no network), and keeps what it wrote. A server started
+under "$KILN_TEMPLATE_FILES". kiln template create starts a box (jail,
+or gvisor with --backend gvisor) whose /template is writable, runs FILE in
+it once (python3 if it ends in .py, else bash) under the template's
+network policy (--allow-net, as kiln serve has it, jail only; default: no
+network), and keeps what it wrote. A server started
 with --template NAME shows those files read-only at /template in every
 box, with /template/python on PYTHONPATH, and imports the --import
 modules before each box is handed out (on the jail, the zygote imports
-them once, before it forks). Templates record the kiln version and the
+them once, before it forks; on gvisor, the warm-start box imports them
+before its checkpoint). Templates record the kiln version and the
 backend that made them, and a server refuses one that does not match.
 
 Templates live in --template-dir (or KILN_TEMPLATE_DIR); default
 /var/lib/kiln/templates as root, else kiln's directory in the user's cache.
-Only the jail backend supports templates yet.
+The jail and gvisor backends support templates; microvm and wasm do not yet.
 `
 
 // runTemplate is "kiln template".
@@ -97,6 +98,7 @@ func parseNamed(fs *flag.FlagSet, args []string) (string, error) {
 // templateSetup is what kiln template create runs.
 type templateSetup struct {
 	name        string
+	backend     string // jail (default) or gvisor: where the setup runs, and the only backend that serves the template
 	store       *boxtemplate.Store
 	setup       string // path of the setup file
 	imports     []string
@@ -122,6 +124,7 @@ func runTemplateCreate(args []string, stdout, stderr io.Writer) error {
 	timeout := fs.Duration("timeout", 30*time.Minute, "time limit of the setup")
 	memory := fs.Int64("memory", 2048, "memory limit of the setup's box, MiB")
 	disk := fs.Int64("disk", sandbox.DefaultLimits.WorkspaceBytes>>20, "workspace of the setup's box (where it runs), MiB; the template's own files are not in it")
+	backend := fs.String("backend", "jail", "backend the setup runs in and the template serves: jail or gvisor")
 	verbose := fs.Bool("v", false, "debug logging on stderr")
 	name, err := parseNamed(fs, args)
 	if err != nil {
@@ -129,6 +132,9 @@ func runTemplateCreate(args []string, stdout, stderr io.Writer) error {
 	}
 	if *setup == "" {
 		return errors.New("give the setup with --setup FILE")
+	}
+	if err := checkTemplateBackend(*backend); err != nil {
+		return fmt.Errorf("--backend: %w", err)
 	}
 	c := common{verbose: *verbose}
 	log := c.logger(stderr)
@@ -139,7 +145,7 @@ func runTemplateCreate(args []string, stdout, stderr io.Writer) error {
 	ctx, cancel := signalContext()
 	defer cancel()
 	tpl, err := createTemplate(ctx, templateSetup{
-		name: name, store: store, setup: *setup, imports: splitList(*imports),
+		name: name, backend: *backend, store: store, setup: *setup, imports: splitList(*imports),
 		allowNet: *allowNet, egressHosts: *egressHosts, agent: *agent,
 		limits:  sandbox.Limits{MemoryBytes: *memory << 20, WorkspaceBytes: *disk << 20},
 		timeout: *timeout, out: stderr, log: log,
@@ -184,10 +190,9 @@ func createTemplate(ctx context.Context, o templateSetup) (_ *boxtemplate.Templa
 			defer net.gateway.Close()
 		}
 	}
-	b, err := jail.New(jail.Options{Agent: o.agent, Logger: o.log, Egress: net.gateway, Policy: net.policy,
-		Template: stage.Files(), TemplateWritable: true})
+	b, err := setupBackend(ctx, o, net, stage.Files())
 	if err != nil {
-		return nil, fmt.Errorf("starting the jail: %w", err)
+		return nil, err
 	}
 	defer b.Close()
 	took, err := runSetup(ctx, b, o, code)
@@ -370,7 +375,7 @@ type templateFlags struct {
 }
 
 func (t *templateFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&t.name, "template", "", "configured template every box starts from (kiln template create): its files are read-only at "+boxplan.TemplateDir+" and its modules preloaded; jail backend only")
+	fs.StringVar(&t.name, "template", "", "configured template every box starts from (kiln template create): its files are read-only at "+boxplan.TemplateDir+" and its modules preloaded; jail and gvisor backends")
 	fs.StringVar(&t.dir, "template-dir", "", "where templates live (default: /var/lib/kiln/templates as root, else kiln's directory in the user's cache)")
 }
 
@@ -381,8 +386,8 @@ func (t *templateFlags) load(backend string) (*boxtemplate.Template, error) {
 	if t.name == "" {
 		return nil, nil
 	}
-	if backend != "jail" {
-		return nil, fmt.Errorf("--template: templates are not supported on the %s backend yet (only on the jail)", backend)
+	if err := checkTemplateBackend(backend); err != nil {
+		return nil, fmt.Errorf("--template: %w", err)
 	}
 	store, err := boxtemplate.Open(t.dir)
 	if err != nil {
