@@ -102,6 +102,12 @@ func New(opts Options) (*Backend, error) {
 		if b.root, err = filepath.Abs(opts.Rootfs); err != nil {
 			return nil, fmt.Errorf("resolving rootfs path: %w", err)
 		}
+		if opts.Template != "" {
+			if err := checkTemplateMountPoint(b.root); err != nil {
+				os.RemoveAll(b.dir)
+				return nil, err
+			}
+		}
 	} else {
 		b.root = filepath.Join(b.dir, "rootfs")
 		if err := buildHostRoot(b.root, opts.UID, opts.GID); err != nil {

@@ -81,3 +81,13 @@ func templateMountPoint(root string) error {
 	}
 	return nil
 }
+
+// checkTemplateMountPoint refuses an image root without the template's
+// mount point: runsc cannot make it in a read-only root.
+func checkTemplateMountPoint(root string) error {
+	st, err := os.Stat(filepath.Join(root, boxplan.TemplateDir))
+	if err != nil || !st.IsDir() {
+		return fmt.Errorf("gvisor backend: the image root %s has no %s directory for the template's files", root, boxplan.TemplateDir)
+	}
+	return nil
+}

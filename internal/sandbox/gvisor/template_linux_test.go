@@ -88,3 +88,14 @@ func TestTemplate(t *testing.T) {
 		})
 	}
 }
+
+// TestTemplateImageRootNeedsMountPoint: an image root without /template
+// is refused at start with a message that says so, not at the first box.
+func TestTemplateImageRootNeedsMountPoint(t *testing.T) {
+	testRunsc(t)
+	root := t.TempDir()
+	_, err := New(Options{Agent: testAgent(t), Runsc: testRunsc(t), StateDir: t.TempDir(), Rootfs: root, Template: templateFiles(t)})
+	if err == nil || !strings.Contains(err.Error(), "has no /template directory") {
+		t.Fatalf("New with an image root without /template: %v", err)
+	}
+}
