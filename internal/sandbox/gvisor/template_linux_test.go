@@ -2,6 +2,7 @@ package gvisor
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -14,7 +15,9 @@ import (
 // templateFiles makes a configured template's files as kiln template
 // create leaves them: a module under python/ and a data file, owned by
 // root and writable by no one.
-func templateFiles(t *testing.T) string {
+func templateFiles(t *testing.T) string { return templateFilesB(t) }
+
+func templateFilesB(t testing.TB) string {
 	t.Helper()
 	dir := filepath.Join(t.TempDir(), "files")
 	if err := os.MkdirAll(filepath.Join(dir, "python"), 0o755); err != nil {
@@ -97,5 +100,42 @@ func TestTemplateImageRootNeedsMountPoint(t *testing.T) {
 	_, err := New(Options{Agent: testAgent(t), Runsc: testRunsc(t), StateDir: t.TempDir(), Rootfs: root, Template: templateFiles(t)})
 	if err == nil || !strings.Contains(err.Error(), "has no /template directory") {
 		t.Fatalf("New with an image root without /template: %v", err)
+	}
+}
+
+// BenchmarkCreateTemplate is a per-call box restored from the warm-start
+// checkpoint, with and without a configured template (whose module the
+// checkpoint imported): what the template's bind costs a box.
+func BenchmarkCreateTemplate(b *testing.B) {
+	for _, tpl := range []bool{false, true} {
+		name := map[bool]string{false: "none", true: "template"}[tpl]
+		b.Run(name, func(b *testing.B) {
+			opts := Options{}
+			spec := sandbox.Spec{}
+			if tpl {
+				opts.Template = templateFilesB(b)
+				spec.Preload = []string{"tmod"}
+			}
+			be := newTestBackend(b, opts)
+			ctx := context.Background()
+			if err := be.Warm(ctx, spec); err != nil {
+				b.Fatal(err)
+			}
+			i := 0
+			for b.Loop() {
+				i++
+				spec.ID = fmt.Sprintf("bench-%d", i)
+				sb, err := be.Create(ctx, spec)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if got := strings.TrimSpace(run(b, sb, "print(2+2)")); got != "4" {
+					b.Fatalf("got %q", got)
+				}
+				if err := sb.Close(); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
 	}
 }
