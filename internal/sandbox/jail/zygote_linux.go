@@ -395,7 +395,8 @@ func (b *Backend) fork(ctx context.Context, tt *boxkit.Template[*template], spec
 	// G, the fork, says 'c' first thing; it waits in the template's
 	// namespaces until it is in the box's cgroup. Then it becomes the
 	// box's host uid, creates the box's namespaces and forks P, the box's
-	// PID 1, which says 'p'.
+	// PID 1, which says 'p'. Where the template can, it clones P straight
+	// into the box's user and pid namespaces instead, and P says both.
 	gpid, err := readHello(host, 'c')
 	if err != nil {
 		return nil, fail("waiting for the fork", err)
@@ -430,7 +431,9 @@ func (b *Backend) fork(ctx context.Context, tt *boxkit.Template[*template], spec
 	if err != nil {
 		return nil, fail("starting the agent", err) // NewAgentConn destroyed the box
 	}
-	b.log.Debug("forked a box", "id", spec.ID, "cgroup", sent.Sub(start), "fork", forked.Sub(sent), "ready", time.Since(forked))
+	// One step: the template cloned the box's PID 1 straight into its
+	// namespaces (zygote.py, _clone_box), so 'c' and 'p' came from it.
+	b.log.Debug("forked a box", "id", spec.ID, "one_step", gpid == pid, "cgroup", sent.Sub(start), "fork", forked.Sub(sent), "ready", time.Since(forked))
 	return &jailBox{AgentConn: conn, cg: cg}, nil
 }
 

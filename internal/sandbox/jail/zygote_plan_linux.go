@@ -31,6 +31,7 @@ type zygotePlan struct {
 	GID       int           `json:"gid"`
 	SysCapset int           `json:"sys_capset"`
 	SysCapget int           `json:"sys_capget"`
+	SysClone  int           `json:"sys_clone"`  // the template clones P into the box's namespaces in one step
 	AgentCaps uint64        `json:"agent_caps"` // what the box's PID 1 and agent keep
 	Landlock  *landlockPlan `json:"landlock,omitempty"`
 	Seccomp   []byte        `json:"seccomp"` // raw struct sock_filter array
@@ -105,6 +106,7 @@ func (z *zygotes) plan(spec sandbox.Spec, lim sandbox.Limits, slot int) *zygoteP
 		GID:       boxGID,
 		SysCapset: unix.SYS_CAPSET,
 		SysCapget: unix.SYS_CAPGET,
+		SysClone:  unix.SYS_CLONE,
 		AgentCaps: boxplan.CapMask(agentCaps),
 		Landlock:  zygoteLandlock(p.Landlock),
 		Seccomp:   z.prog,
