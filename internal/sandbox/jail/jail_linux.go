@@ -83,6 +83,9 @@ func New(opts Options) (*Backend, error) {
 	if opts.StateDir == "" {
 		opts.StateDir = os.TempDir() + "/kiln-jail"
 	}
+	if err := prepareTemplate(&opts); err != nil {
+		return nil, err
+	}
 	// Box roots are uids no one has: they must be able to traverse to
 	// their mount point (and nothing else lives here).
 	if err := os.MkdirAll(opts.StateDir, 0o711); err != nil {
@@ -195,6 +198,8 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (_ sandbox.Sand
 		Plan:       b.directPlan(lim, env),
 		ResolvConf: resolvConf,
 		Rootless:   b.rootless,
+		Template:   b.opts.Template,
+		TemplateRW: b.opts.TemplateWritable,
 	}
 	if err := json.NewEncoder(proc.cfg).Encode(&cfg); err != nil {
 		return nil, fmt.Errorf("sending box config: %w", err)

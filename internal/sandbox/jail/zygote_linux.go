@@ -234,6 +234,7 @@ func (z *zygotes) templateConfig(root, key string) initConfig {
 		Agent:     b.opts.Agent,
 		AgentArgs: append(args, "-zygote"),
 		Plan:      templatePlan(b.env()),
+		Template:  b.opts.Template,
 	}
 }
 

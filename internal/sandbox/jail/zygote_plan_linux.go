@@ -67,7 +67,7 @@ func (b *Backend) directPlan(lim sandbox.Limits, env []string) boxplan.Plan {
 	if b.rootless {
 		owner = 0
 	}
-	return boxPlan(lim, owner, env)
+	return b.withTemplate(boxPlan(lim, owner, env))
 }
 
 // templatePlan is the plan of a zygote template: small, since no code runs
@@ -93,7 +93,7 @@ func (z *zygotes) plan(spec sandbox.Spec, lim sandbox.Limits, slot int) *zygoteP
 	idMap := fmt.Sprintf("0 %d %d", host, uidRange)
 	// Mounted by the box's PID 1, as root of the box's own user
 	// namespace: the owner is named there.
-	p := boxPlan(lim, boxUID, b.env())
+	p := b.withTemplate(boxPlan(lim, boxUID, b.env()))
 	return weaken(&zygotePlan{
 		HostID:    host,
 		UIDMap:    idMap,
