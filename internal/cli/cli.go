@@ -145,7 +145,7 @@ func (c *common) register(fs *flag.FlagSet) {
 	c.jobs.register(fs)
 	c.hib.register(fs)
 	c.snapshots.register(fs)
-	fs.StringVar(&c.preload, "preload", "numpy,pandas,matplotlib", "Python modules imported before the first call (skipped when missing; on the jail, a call that comes while the zygote still imports them gets a box without them rather than wait)")
+	fs.StringVar(&c.preload, "preload", "numpy,pandas,matplotlib", "Python modules imported before the first call (skipped when missing)")
 	fs.StringVar(&c.allowNet, "allow-net", "", "hosts sandboxes may reach over HTTP(S), comma-separated: host, *.domain, host:port (default: none, loopback only)")
 	fs.StringVar(&c.egressHosts, "egress-hosts", "", "hosts file (/etc/hosts format) the egress gateway resolves names with before DNS")
 	c.tpl.register(fs)
