@@ -156,6 +156,9 @@ func setupRoot(cfg Config) (string, error) {
 			return "", err
 		}
 	}
+	if err := mountTemplate(string(cmdline)); err != nil {
+		return "", err
+	}
 	for name, target := range map[string]string{
 		"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0",
 		"/dev/stdout": "/proc/self/fd/1", "/dev/stderr": "/proc/self/fd/2",

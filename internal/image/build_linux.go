@@ -438,7 +438,7 @@ func configure(root string) error {
 			return fmt.Errorf("adding user: %w", err)
 		}
 	}
-	for _, d := range []string{"work", "tmp", "run", "proc", "sys", "dev", "etc/kiln"} {
+	for _, d := range []string{"work", "tmp", "run", "proc", "sys", "dev", "etc/kiln", "template"} {
 		if err := os.MkdirAll(filepath.Join(root, d), 0o755); err != nil {
 			return err
 		}

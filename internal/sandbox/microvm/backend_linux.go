@@ -42,7 +42,8 @@ type Backend struct {
 	mu     sync.Mutex
 	live   map[*vm]struct{}
 	closed bool
-	tscKHz int64 // TCG only: the guest's TSC rate, see kernelCmdline
+	tscKHz int64  // TCG only: the guest's TSC rate, see kernelCmdline
+	tplfs  string // the template's ext4 image (template_linux.go); "": none
 
 	self    string        // kiln's executable, re-executed as QEMU's jail init
 	uidSlot atomic.Uint32 // picks each jailed QEMU's host uid
@@ -97,15 +98,22 @@ func New(opts Options) (*Backend, error) {
 		return nil, err
 	}
 	removeOrphans(opts.Cgroup)
+	var tplfs string
+	if opts.Template != "" {
+		if tplfs, err = templateImage(context.Background(), opts.StateDir, opts.Template); err != nil {
+			return nil, err
+		}
+	}
 	self, err := os.Executable()
 	if err != nil {
 		return nil, fmt.Errorf("finding own executable: %w", err)
 	}
 	b := &Backend{
-		self: self,
-		opts: opts,
-		log:  opts.Logger.With("backend", "microvm", "accel", opts.Accel),
-		live: map[*vm]struct{}{},
+		self:  self,
+		opts:  opts,
+		tplfs: tplfs,
+		log:   opts.Logger.With("backend", "microvm", "accel", opts.Accel),
+		live:  map[*vm]struct{}{},
 	}
 	b.tpls = boxkit.NewTemplateCache(boxkit.TemplateOptions[*template]{
 		Name:             "template",
@@ -236,6 +244,10 @@ func (b *Backend) Close() error {
 func (b *Backend) vmConfig(l sandbox.Limits, preload []string) vmConfig {
 	mem, cpus := guestShape(l)
 	im := b.opts.Image
+	var extra []string
+	if b.tplfs != "" {
+		extra = append(extra, guestinit.TemplateParam+"="+templateDisk)
+	}
 	return vmConfig{
 		QEMU:      b.opts.QEMU,
 		Accel:     b.opts.Accel,
@@ -244,7 +256,8 @@ func (b *Backend) vmConfig(l sandbox.Limits, preload []string) vmConfig {
 		Kernel:    im.KernelPath(),
 		Initrd:    im.InitrdPath(),
 		Rootfs:    im.RootfsPath(),
-		Cmdline:   kernelCmdline(l, preload, b.opts.Verbose, b.tscKHz, "serial"),
+		Template:  b.tplfs,
+		Cmdline:   kernelCmdline(l, preload, b.opts.Verbose, b.tscKHz, "serial", extra...),
 		Seccomp:   !b.opts.NoSeccomp,
 	}
 }

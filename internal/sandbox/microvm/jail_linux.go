@@ -338,6 +338,10 @@ func (b *Backend) jailedQEMU(v *vm, cfg vmConfig, files []*os.File) (*exec.Cmd, 
 		{src: logDir, dst: jailLogDir, dir: true, rw: true},
 	}
 	cfg.Kernel, cfg.Initrd, cfg.Rootfs = jailVMDir+"/kernel", jailVMDir+"/initrd", jailVMDir+"/rootfs"
+	if cfg.Template != "" {
+		binds = append(binds, jailFile{src: cfg.Template, dst: jailVMDir + "/template"})
+		cfg.Template = jailVMDir + "/template"
+	}
 	cfg.Console = jailLogDir + "/console.log"
 	if cfg.Accel == AccelKVM {
 		node, err := kvmNode(v.dir, uid)

@@ -83,6 +83,9 @@ type Options struct {
 	// DefaultTemplateMaxClones, DefaultTemplateMaxAge; negative: no bound.
 	TemplateMaxClones int
 	TemplateMaxAge    time.Duration
+	// Template is a configured template's files (kiln template), given
+	// to every VM read-only at boxplan.TemplateDir (template_linux.go).
+	Template string
 	// BootTimeout bounds booting a template (or a cold box) to its hello;
 	// default 60s under KVM, 5m under TCG.
 	BootTimeout time.Duration

@@ -33,6 +33,7 @@ type vmConfig struct {
 	Kernel    string
 	Initrd    string
 	Rootfs    string
+	Template  string // read-only ext4 image of a configured template's files; "": none
 	Cmdline   string
 	MemFile   string // guest RAM file (memFDPath); "" for anonymous RAM (cold boot)
 	MemShared bool   // share=on: a template writes its RAM to MemFile
@@ -61,15 +62,21 @@ func (c vmConfig) args() []string {
 		"-append", c.Cmdline,
 		"-drive", "id=root,if=none,format=raw,readonly=on,file=" + escapeOpt(c.Rootfs),
 		"-device", "virtio-blk-device,drive=root",
+	}
+	if c.Template != "" {
+		a = append(a, "-drive", "id=tpl,if=none,format=raw,readonly=on,file="+escapeOpt(c.Template),
+			"-device", "virtio-blk-device,drive=tpl")
+	}
+	a = append(a,
 		"-device", "virtio-serial-device,max_ports=4",
 		"-chardev", fmt.Sprintf("socket,id=agent,fd=%d", fdAgent),
-		"-device", "virtserialport,chardev=agent,name=" + guestinit.PortName,
+		"-device", "virtserialport,chardev=agent,name="+guestinit.PortName,
 		"-chardev", fmt.Sprintf("socket,id=seed,fd=%d", fdSeed),
-		"-device", "virtserialport,chardev=seed,name=" + guestinit.SeedPortName,
+		"-device", "virtserialport,chardev=seed,name="+guestinit.SeedPortName,
 		"-device", "virtio-rng-device",
 		"-chardev", fmt.Sprintf("socket,id=qmp,fd=%d", fdQMP),
 		"-mon", "chardev=qmp,mode=control",
-	}
+	)
 	if c.Console != "" {
 		a = append(a, "-chardev", "file,id=con,path="+escapeOpt(c.Console), "-serial", "chardev:con")
 	} else {
