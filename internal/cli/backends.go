@@ -111,7 +111,7 @@ var registry = []backendEntry{
 				if err != nil {
 					return nil, fmt.Errorf("%w (build one with: kiln image build)", err)
 				}
-				return microvm.New(c.Apply(microvm.Options{Image: im, Logger: env.log})) // it logs the TCG warning
+				return microvm.New(c.Apply(microvm.Options{Image: im, Logger: env.log, Template: env.template})) // it logs the TCG warning
 			}
 		},
 	},

@@ -133,7 +133,7 @@ func runTemplateCreate(args []string, stdout, stderr io.Writer) error {
 	if *setup == "" {
 		return errors.New("give the setup with --setup FILE")
 	}
-	if err := checkTemplateBackend(*backend); err != nil {
+	if err := checkCreateBackend(*backend); err != nil {
 		return fmt.Errorf("--backend: %w", err)
 	}
 	c := common{verbose: *verbose}
@@ -375,7 +375,7 @@ type templateFlags struct {
 }
 
 func (t *templateFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&t.name, "template", "", "configured template every box starts from (kiln template create): its files are read-only at "+boxplan.TemplateDir+" and its modules preloaded; jail and gvisor backends")
+	fs.StringVar(&t.name, "template", "", "configured template every box starts from (kiln template create): its files are read-only at "+boxplan.TemplateDir+" and its modules preloaded; jail, gvisor and microvm (which serves templates made on the jail) backends")
 	fs.StringVar(&t.dir, "template-dir", "", "where templates live (default: /var/lib/kiln/templates as root, else kiln's directory in the user's cache)")
 }
 
@@ -386,14 +386,14 @@ func (t *templateFlags) load(backend string) (*boxtemplate.Template, error) {
 	if t.name == "" {
 		return nil, nil
 	}
-	if err := checkTemplateBackend(backend); err != nil {
+	if err := checkServeBackend(backend); err != nil {
 		return nil, fmt.Errorf("--template: %w", err)
 	}
 	store, err := boxtemplate.Open(t.dir)
 	if err != nil {
 		return nil, fmt.Errorf("--template: %w", err)
 	}
-	tpl, err := store.Load(t.name, mcpserver.Version, backend)
+	tpl, err := store.LoadServed(t.name, mcpserver.Version, backend, servedFrom[backend])
 	if err != nil {
 		return nil, fmt.Errorf("--template: %w", err)
 	}

@@ -186,8 +186,8 @@ open("mine.txt", "w").write("mine")
 	if msg := runWith("--template", "t1", "--backend", "gvisor"); !strings.Contains(msg, "made for the jail backend, this server uses gvisor") {
 		t.Errorf("gvisor: %s", msg)
 	}
-	if msg := runWith("--template", "t1", "--backend", "microvm"); !strings.Contains(msg, "not supported on the microvm backend") {
-		t.Errorf("microvm: %s", msg)
+	if msg := runWith("--template", "t1", "--backend", "wasm"); !strings.Contains(msg, "not supported on the wasm backend") {
+		t.Errorf("wasm: %s", msg)
 	}
 	mpath := filepath.Join(dir, "t1", "manifest.json")
 	raw, _ := os.ReadFile(mpath)

@@ -20,6 +20,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"kiln/internal/guestinit"
+	"kiln/internal/sandbox/boxplan"
 )
 
 // tools the build runs, with the Debian package that has each.
@@ -438,7 +439,7 @@ func configure(root string) error {
 			return fmt.Errorf("adding user: %w", err)
 		}
 	}
-	for _, d := range []string{"work", "tmp", "run", "proc", "sys", "dev", "etc/kiln", "template"} {
+	for _, d := range []string{"work", "tmp", "run", "proc", "sys", "dev", "etc/kiln"} {
 		if err := os.MkdirAll(filepath.Join(root, d), 0o755); err != nil {
 			return err
 		}
@@ -486,6 +487,11 @@ func pack(ctx context.Context, opts Options, b *base, key, dir string, log *slog
 	err = step(ctx, log, "pack rootfs", func(ctx context.Context) error {
 		if err := os.WriteFile(filepath.Join(b.rootfs(), guestinit.AgentPath), agent, 0o755); err != nil {
 			return fmt.Errorf("installing agent: %w", err)
+		}
+		// The mount point of a configured template's disk (microvm
+		// backend), made here so that cached bases get it too.
+		if err := os.MkdirAll(filepath.Join(b.rootfs(), boxplan.TemplateDir), 0o755); err != nil {
+			return err
 		}
 		return mkfs(ctx, log, b.rootfs(), filepath.Join(tmp, im.Rootfs))
 	})
