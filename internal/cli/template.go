@@ -44,7 +44,8 @@ backend that made them, and a server refuses one that does not match.
 
 Templates live in --template-dir (or KILN_TEMPLATE_DIR); default
 /var/lib/kiln/templates as root, else kiln's directory in the user's cache.
-The jail and gvisor backends support templates; microvm and wasm do not yet.
+The jail and gvisor backends make and serve templates; microvm serves
+templates made on the jail (packed into a read-only disk); wasm does not.
 `
 
 // runTemplate is "kiln template".

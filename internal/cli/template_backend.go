@@ -19,7 +19,7 @@ var templateBackends = []string{"jail", "gvisor"}
 // checkTemplateBackend refuses a backend that cannot serve templates.
 func checkTemplateBackend(backend string) error {
 	if !slices.Contains(templateBackends, backend) {
-		return fmt.Errorf("templates are not supported on the %s backend yet (only on the jail and gvisor)", backend)
+		return fmt.Errorf("templates are not supported on the %s backend yet (only on the jail, gvisor and microvm)", backend)
 	}
 	return nil
 }
