@@ -20,6 +20,11 @@ type Mode struct {
 	// AdoptKernel, if positive, is the pid of the kernel a jail zygote
 	// forked for this box, whose pipes are on fds 3-9.
 	AdoptKernel int
+	// AwaitHost makes the serving agent read one byte from its stream
+	// before it starts its kernel and says hello: a host that attaches to
+	// the stream after the box started (a Kubernetes attach, which does
+	// not replay what was written before it) would miss the hello.
+	AwaitHost bool
 }
 
 // Run is kiln-agent after its flags are parsed: it takes the role m and
@@ -73,6 +78,12 @@ func Run(m Mode) int {
 			return 1
 		}
 		r, w = f, f
+	}
+	if m.AwaitHost {
+		if _, err := io.ReadFull(r, make([]byte, 1)); err != nil {
+			log.Error("waiting for the host", "err", err)
+			return 1
+		}
 	}
 	cfg := m.Config
 	if m.AdoptKernel > 0 {
