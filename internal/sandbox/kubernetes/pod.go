@@ -250,5 +250,3 @@ func podName(boxID, suffix string) string {
 	}
 	return "kiln-" + id + "-" + suffix
 }
-
-

@@ -124,4 +124,3 @@ func (l *lineLogger) Write(p []byte) (int, error) {
 	}
 	return n, nil
 }
-
