@@ -78,6 +78,10 @@ type Options struct {
 	// StartTimeout bounds the wait for a new Pod to run (image pull,
 	// scheduling). Default 2 minutes.
 	StartTimeout time.Duration
+	// LeaseDuration is how long this replica's Lease stands unrenewed
+	// before other replicas may take the replica for dead (after twice
+	// as long) and collect its boxes. Default 30 s; whole seconds.
+	LeaseDuration time.Duration
 	// PullPolicy of the box image. Default IfNotPresent.
 	PullPolicy corev1.PullPolicy
 	// NoNetworkPolicy skips applying the default-deny NetworkPolicy (for
@@ -120,8 +124,8 @@ var (
 	_ sandbox.Checker = (*Backend)(nil)
 )
 
-// leaseDuration is how long a replica's Lease stands unrenewed before other
-// replicas take the replica for dead; it is renewed every third of it.
+// leaseDuration is the default of Options.LeaseDuration; a Lease is
+// renewed every third of its duration.
 const leaseDuration = 30 * time.Second
 
 // sweepEvery is how often a replica deletes expired boxes and the Leases of
@@ -152,7 +156,7 @@ func New(ctx context.Context, o Options) (*Backend, error) {
 			return nil, err
 		}
 	}
-	lease, err := takeLease(ctx, cs, o.Namespace, o.Replica)
+	lease, err := takeLease(ctx, cs, o.Namespace, o.Replica, o.LeaseDuration)
 	if err != nil {
 		return nil, err
 	}
@@ -180,6 +184,10 @@ func (o Options) withDefaults() (Options, error) {
 	if o.StartTimeout <= 0 {
 		o.StartTimeout = 2 * time.Minute
 	}
+	if o.LeaseDuration <= 0 {
+		o.LeaseDuration = leaseDuration
+	}
+	o.LeaseDuration = max(o.LeaseDuration.Round(time.Second), time.Second)
 	if o.PullPolicy == "" {
 		o.PullPolicy = corev1.PullIfNotPresent
 	}
@@ -467,7 +475,8 @@ func (b *Backend) Close() error {
 // keep renews the Lease and sweeps until Close.
 func (b *Backend) keep() {
 	defer b.wg.Done()
-	renew := time.NewTicker(leaseDuration / 3)
+	every := b.opts.LeaseDuration / 3
+	renew := time.NewTicker(every)
 	defer renew.Stop()
 	sweep := time.NewTicker(sweepEvery)
 	defer sweep.Stop()
@@ -476,7 +485,7 @@ func (b *Backend) keep() {
 		case <-b.stop:
 			return
 		case <-renew.C:
-			ctx, cancel := context.WithTimeout(context.Background(), leaseDuration/3)
+			ctx, cancel := context.WithTimeout(context.Background(), every)
 			l, err := renewLease(ctx, b.cs, b.lease)
 			cancel()
 			if err != nil {
@@ -560,4 +569,15 @@ func DenyAll(ns string) *netv1.NetworkPolicy {
 			PolicyTypes: []netv1.PolicyType{netv1.PolicyTypeIngress, netv1.PolicyTypeEgress},
 		},
 	}
+}
+
+// abandon stops renewing the Lease and forgets the live boxes without
+// deleting anything, as a replica that was killed would (tests).
+func (b *Backend) abandon() {
+	b.mu.Lock()
+	b.closed = true
+	b.live = map[string]*sandbox.AgentConn{}
+	b.mu.Unlock()
+	close(b.stop)
+	b.wg.Wait()
 }

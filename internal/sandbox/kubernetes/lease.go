@@ -21,9 +21,9 @@ func leaseName(replica string) string { return "kiln-replica-" + replica }
 // takeLease creates the replica's Lease. A Lease of the same name that is
 // still held (renewed within its duration) means another live replica has
 // the name, which is refused.
-func takeLease(ctx context.Context, cs kubernetes.Interface, ns, replica string) (*coordv1.Lease, error) {
+func takeLease(ctx context.Context, cs kubernetes.Interface, ns, replica string, d time.Duration) (*coordv1.Lease, error) {
 	now := metav1.NewMicroTime(time.Now())
-	secs := int32(leaseDuration / time.Second)
+	secs := int32(max(d/time.Second, 1))
 	l := &coordv1.Lease{
 		ObjectMeta: metav1.ObjectMeta{
 			Name: leaseName(replica), Namespace: ns,

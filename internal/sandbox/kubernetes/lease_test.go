@@ -16,14 +16,14 @@ import (
 func TestLeaseTakenOnce(t *testing.T) {
 	ctx := context.Background()
 	cs := fake.NewClientset()
-	l, err := takeLease(ctx, cs, "ns", "r1")
+	l, err := takeLease(ctx, cs, "ns", "r1", leaseDuration)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := takeLease(ctx, cs, "ns", "r1"); err == nil {
+	if _, err := takeLease(ctx, cs, "ns", "r1", leaseDuration); err == nil {
 		t.Fatal("a second replica took a live replica's name")
 	}
-	if _, err := takeLease(ctx, cs, "ns", "r2"); err != nil {
+	if _, err := takeLease(ctx, cs, "ns", "r2", leaseDuration); err != nil {
 		t.Fatalf("another name: %v", err)
 	}
 	// r1 stops renewing: after twice its duration it is dead, and its
@@ -40,7 +40,7 @@ func TestLeaseTakenOnce(t *testing.T) {
 	if len(dead) != 1 || dead[0].Name != leaseName("r1") {
 		t.Fatalf("dead leases %v, want r1's only", dead)
 	}
-	if _, err := takeLease(ctx, cs, "ns", "r1"); err != nil {
+	if _, err := takeLease(ctx, cs, "ns", "r1", leaseDuration); err != nil {
 		t.Fatalf("taking a dead replica's name: %v", err)
 	}
 	if dead, _ := deadLeases(ctx, cs, "ns", time.Now()); len(dead) != 0 {
@@ -56,7 +56,7 @@ func TestLeaseExpiry(t *testing.T) {
 		want    bool
 	}{{0, false}, {-59 * time.Second, false}, {-61 * time.Second, true}} {
 		rt := metav1.NewMicroTime(now.Add(c.renewed))
-		l, _ := takeLease(context.Background(), fake.NewClientset(), "ns", "r")
+		l, _ := takeLease(context.Background(), fake.NewClientset(), "ns", "r", leaseDuration)
 		l.Spec.RenewTime, l.Spec.LeaseDurationSeconds = &rt, &secs
 		if got := leaseExpired(l, now); got != c.want {
 			t.Errorf("renewed %v ago: expired %v, want %v", -c.renewed, got, c.want)
