@@ -20,10 +20,11 @@ type Mode struct {
 	// AdoptKernel, if positive, is the pid of the kernel a jail zygote
 	// forked for this box, whose pipes are on fds 3-9.
 	AdoptKernel int
-	// AwaitHost makes the serving agent read one byte from its stream
-	// before it starts its kernel and says hello: a host that attaches to
-	// the stream after the box started (a Kubernetes attach, which does
-	// not replay what was written before it) would miss the hello.
+	// AwaitHost serves hosts that attach to the agent's stdin after the
+	// box started, one after another (Kubernetes): the agent says hello
+	// when a host's agentproto.AttachMarker arrives, not before (an attach
+	// does not replay what was written before it), and again for each
+	// later host (Agent.ServeAttached).
 	AwaitHost bool
 }
 
@@ -79,12 +80,6 @@ func Run(m Mode) int {
 		}
 		r, w = f, f
 	}
-	if m.AwaitHost {
-		if _, err := io.ReadFull(r, make([]byte, 1)); err != nil {
-			log.Error("waiting for the host", "err", err)
-			return 1
-		}
-	}
 	cfg := m.Config
 	if m.AdoptKernel > 0 {
 		cfg.Adopt = NewAdopted(m.AdoptKernel, adopted)
@@ -92,7 +87,11 @@ func Run(m Mode) int {
 	if m.Guest {
 		cfg.Cgroup = guestinit.CodeCgroup // the guest's memory and pids limits for code
 	}
-	if err := New(cfg).Serve(r, w); err != nil {
+	serve := New(cfg).Serve
+	if m.AwaitHost {
+		serve = New(cfg).ServeAttached
+	}
+	if err := serve(r, w); err != nil {
 		fmt.Fprintln(os.Stderr, "kiln-agent:", err)
 		return 1
 	}
