@@ -511,7 +511,12 @@ func (s *Session) ensure(ctx context.Context) (box sandbox.Sandbox, fresh bool, 
 	case lost != "":
 		note = lost + "; " + msgNewBox + ": " + s.m.survived(true, true)
 	}
-	box, err = s.m.getBox(ctx)
+	if box = s.m.adopt(ctx, s); box != nil {
+		note, fresh = "", false
+	} else if box, err = s.m.getBox(ctx); err == nil {
+		s.m.bind(ctx, s, box)
+		fresh = true
+	}
 	if err != nil {
 		if errors.Is(err, ErrBusy) {
 			return nil, false, note, err
@@ -526,7 +531,7 @@ func (s *Session) ensure(ctx context.Context) (box sandbox.Sandbox, fresh bool, 
 	}
 	s.box = box
 	s.mu.Unlock()
-	return box, true, note, nil
+	return box, fresh, note, nil
 }
 
 // RunPython runs a cell in the session's kernel.

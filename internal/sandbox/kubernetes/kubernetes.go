@@ -113,7 +113,8 @@ type Backend struct {
 	lease *coordv1.Lease
 
 	mu     sync.Mutex
-	live   map[string]*sandbox.AgentConn
+	live   map[string]*sandbox.AgentConn // by box ID
+	pods   map[string]string             // box ID → Pod name
 	closed bool
 	stop   chan struct{}
 	wg     sync.WaitGroup
@@ -150,7 +151,7 @@ func New(ctx context.Context, o Options) (*Backend, error) {
 		}
 	}
 	b := &Backend{opts: o, cs: cs, cfg: cfg, log: o.Logger.With("backend", "kubernetes", "replica", o.Replica),
-		live: map[string]*sandbox.AgentConn{}, stop: make(chan struct{})}
+		live: map[string]*sandbox.AgentConn{}, pods: map[string]string{}, stop: make(chan struct{})}
 	if !o.NoNetworkPolicy {
 		if err := ensureNetworkPolicy(ctx, cs, o.Namespace); err != nil {
 			return nil, err
@@ -297,34 +298,48 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 		return nil, err
 	}
 	log.Debug("pod running", "took", time.Since(start).Round(time.Millisecond))
+	conn, err := b.connect(ctx, pod, spec.ID, log)
+	if err != nil {
+		return nil, err
+	}
+	ok = true
+	log.Info("box ready", "took", time.Since(start).Round(time.Millisecond))
+	return conn, nil
+}
+
+// connect attaches to a running box's agent, begins this replica's turn on
+// its stream and waits for its hello. Closing the box deletes its Pod,
+// unless another replica has taken it over since.
+func (b *Backend) connect(ctx context.Context, pod *corev1.Pod, id string, log *slog.Logger) (*sandbox.AgentConn, error) {
 	stream, err := attach(b.cs, b.cfg, pod, log)
 	if err != nil {
 		return nil, fmt.Errorf("attaching to the box: %w", err)
 	}
-	// The agent waits for one byte before its hello (-await-host): an
-	// attach sees only what is written after it.
-	if _, err := stream.Write([]byte{'\n'}); err != nil {
-		stream.Close()
-		return nil, fmt.Errorf("attaching to the box: %w", err)
+	// The agent says hello only when a host's marker arrives
+	// (-await-host): an attach sees only what is written after it.
+	rw, err := greet(ctx, stream)
+	if err != nil {
+		return nil, err
 	}
-	conn, err := sandbox.DialAgent(ctx, spec.ID, stream, func() error {
-		b.forget(spec.ID)
-		return destroy()
+	name := pod.Name
+	conn, err := sandbox.DialAgent(ctx, id, rw, func() error {
+		b.forget(id)
+		return b.deleteOwnPod(name)
 	}, &sandbox.AgentConnOptions{Logger: log})
 	if err != nil {
 		return nil, fmt.Errorf("starting the box's agent: %w", err)
 	}
-	ok = true
 	b.mu.Lock()
-	b.live[spec.ID] = conn
+	b.live[id] = conn
+	b.pods[id] = name
 	b.mu.Unlock()
-	log.Info("box ready", "took", time.Since(start).Round(time.Millisecond))
 	return conn, nil
 }
 
 func (b *Backend) forget(id string) {
 	b.mu.Lock()
 	delete(b.live, id)
+	delete(b.pods, id)
 	b.mu.Unlock()
 }
 
@@ -576,7 +591,7 @@ func DenyAll(ns string) *netv1.NetworkPolicy {
 func (b *Backend) abandon() {
 	b.mu.Lock()
 	b.closed = true
-	b.live = map[string]*sandbox.AgentConn{}
+	b.live, b.pods = map[string]*sandbox.AgentConn{}, map[string]string{}
 	b.mu.Unlock()
 	close(b.stop)
 	b.wg.Wait()

@@ -3,6 +3,7 @@ package kubernetes
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
@@ -16,6 +17,8 @@ import (
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/remotecommand"
+
+	"kiln/internal/agentproto"
 )
 
 // attachStream is the agent's stdin and stdout through one attach to its
@@ -79,6 +82,64 @@ func newExecutor(cfg *rest.Config, u *url.URL) (remotecommand.Executor, error) {
 		return httpstream.IsUpgradeFailure(err) || httpstream.IsHTTPSProxyError(err)
 	})
 }
+
+// maxSkip bounds the frames greet skips before the agent's hello: what a
+// previous host's calls were still sending when the agent saw the marker.
+const maxSkip = 4096
+
+// greet begins this host's turn on the agent's stream (the agent serves
+// hosts one after another, -await-host): it writes agentproto.AttachMarker
+// and returns the stream positioned at the agent's hello, skipping the
+// frames before it, which answer an earlier host. If ctx ends first, the
+// stream is closed.
+func greet(ctx context.Context, s *attachStream) (io.ReadWriteCloser, error) {
+	type result struct {
+		hello []byte
+		err   error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		if _, err := s.Write(agentproto.AttachMarker); err != nil {
+			ch <- result{err: err}
+			return
+		}
+		for range maxSkip {
+			var f map[string]json.RawMessage
+			if err := agentproto.ReadFrame(s, &f); err != nil {
+				ch <- result{err: err}
+				return
+			}
+			if f["version"] != nil && f["id"] == nil {
+				var buf bytes.Buffer
+				err := agentproto.WriteFrame(&buf, f)
+				ch <- result{hello: buf.Bytes(), err: err}
+				return
+			}
+		}
+		ch <- result{err: fmt.Errorf("no hello in %d frames", maxSkip)}
+	}()
+	select {
+	case r := <-ch:
+		if r.err != nil {
+			s.Close()
+			return nil, fmt.Errorf("greeting the agent: %w", r.err)
+		}
+		return &greeted{Reader: io.MultiReader(bytes.NewReader(r.hello), s), attachStream: s}, nil
+	case <-ctx.Done():
+		s.Close()
+		<-ch
+		return nil, fmt.Errorf("greeting the agent: %w", ctx.Err())
+	}
+}
+
+// greeted is an attach stream whose first bytes, the agent's hello, were
+// read once already.
+type greeted struct {
+	io.Reader
+	*attachStream
+}
+
+func (g *greeted) Read(p []byte) (int, error) { return g.Reader.Read(p) }
 
 func (s *attachStream) Read(p []byte) (int, error)  { return s.out.Read(p) }
 func (s *attachStream) Write(p []byte) (int, error) { return s.in.Write(p) }
