@@ -2,6 +2,7 @@ package kubernetes
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -222,6 +223,77 @@ func TestClosedReplicaLeavesNothing(t *testing.T) {
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("after Close: %s", strings.Join(left, ", "))
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// TestSessionContinuesOnAnotherReplica: a session's box made by replica a
+// is adopted by replica b, kernel state kept (the Pod is the same); a's
+// connection to it ends, and a's Close of it leaves the Pod to b. Then a
+// is killed mid-session and b takes the box back as well.
+func TestSessionContinuesOnAnotherReplica(t *testing.T) {
+	c := needCluster(t)
+	ns := c.namespace(t)
+	ctx := context.Background()
+	a := c.backend(t, ns, Options{Replica: "a"})
+	b := c.backend(t, ns, Options{Replica: "b"})
+	const key = "principal\x00analysis"
+	boxA, err := a.Create(ctx, sandbox.Spec{ID: "s1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Bind(ctx, boxA, key); err != nil {
+		t.Fatal(err)
+	}
+	run := func(box sandbox.Sandbox, code string) string {
+		t.Helper()
+		r, err := box.RunPython(ctx, code, sandbox.ExecOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Error != nil {
+			t.Fatalf("%s: %+v", code, r.Error)
+		}
+		return r.Result["text/plain"]
+	}
+	run(boxA, "x = 41")
+	if _, err := b.Adopt(ctx, "principal\x00other"); !errors.Is(err, sandbox.ErrNoBox) {
+		t.Fatalf("adopting a key no box holds: %v", err)
+	}
+	boxB, err := b.Adopt(ctx, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := run(boxB, "x + 1"); got != "42" {
+		t.Fatalf("x + 1 on the adopting replica = %q, want 42", got)
+	}
+	select {
+	case <-boxA.Done():
+	case <-time.After(30 * time.Second):
+		t.Error("the first replica's connection outlived the takeover")
+	}
+	boxA.Close()
+	if got := run(boxB, "x + 2"); got != "43" {
+		t.Fatalf("after the first replica closed its handle: x + 2 = %q", got)
+	}
+	// b is killed; a adopts the box back.
+	b.abandon()
+	boxA2, err := a.Adopt(ctx, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := run(boxA2, "x"); got != "41" {
+		t.Fatalf("after the second replica was killed: x = %q", got)
+	}
+	boxB.Close()
+	if err := boxA2.Close(); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(time.Minute)
+	for len(a.Leftovers()) > 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the session's Pod outlived its last Close: %v", a.Leftovers())
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
