@@ -2,6 +2,7 @@ package kubernetes
 
 import (
 	"encoding/json"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -192,14 +193,18 @@ func TestSeccompProfile(t *testing.T) {
 	if p.DefaultAction != specs.ActErrno || p.DefaultErrnoRet == nil || *p.DefaultErrnoRet != 38 {
 		t.Errorf("default %s/%v, want ENOSYS", p.DefaultAction, p.DefaultErrnoRet)
 	}
-	if len(p.Syscalls) != len(sandbox.SyscallPolicy) {
-		t.Fatalf("%d rules, want %d", len(p.Syscalls), len(sandbox.SyscallPolicy))
-	}
 	var sawDeny, sawArgs bool
-	for i, r := range sandbox.SyscallPolicy {
+	i := 0
+	for _, r := range sandbox.SyscallPolicy {
+		if len(r.Args) == 0 && r.Action != sandbox.Allow && slices.ContainsFunc(p.Syscalls[:i], func(s specs.LinuxSyscall) bool {
+			return len(s.Args) > 0 && slices.Contains(s.Names, r.Names[0])
+		}) {
+			continue // a fallback refusal: the default action
+		}
 		s := p.Syscalls[i]
+		i++
 		if strings.Join(s.Names, ",") != strings.Join(r.Names, ",") {
-			t.Fatalf("rule %d: names %v, want %v", i, s.Names, r.Names)
+			t.Fatalf("rule %d: names %v, want %v", i-1, s.Names, r.Names)
 		}
 		switch r.Action {
 		case sandbox.Allow:

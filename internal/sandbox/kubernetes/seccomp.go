@@ -3,6 +3,7 @@ package kubernetes
 import (
 	"encoding/json"
 	"fmt"
+	"slices"
 	"syscall"
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
@@ -14,7 +15,10 @@ import (
 // jail's and gVisor's too) as a seccomp profile in the OCI/containerd JSON
 // format that a Pod names as Localhost: rule for rule, first match wins,
 // explicit refusals fail with EPERM, and everything the policy does not name
-// fails with ENOSYS, as under the jail. Argument checks are masked compares
+// fails with ENOSYS, as under the jail; a refusal that follows argument
+// rules which allow (clone with a namespace flag, a socket family that is
+// not allowed, prctl options) fails with ENOSYS too, since libseccomp has
+// no first-match order to express it. Argument checks are masked compares
 // (SCMP_CMP_MASKED_EQ takes the mask in value and the expected bits in
 // valueTwo). Only the native architecture is listed, so an i386 (int 0x80)
 // or x32-numbered call takes the default action and fails with ENOSYS.
@@ -31,8 +35,25 @@ func SeccompProfile() []byte {
 	eperm := uint(syscall.EPERM)
 	enosys := uint(syscall.ENOSYS)
 	var sys []specs.LinuxSyscall
+	conditional := map[string]bool{} // names with an argument rule so far
 	for _, r := range sandbox.SyscallPolicy {
-		s := specs.LinuxSyscall{Names: r.Names}
+		names := r.Names
+		if len(r.Args) > 0 {
+			for _, n := range names {
+				conditional[n] = true
+			}
+		} else if r.Action != sandbox.Allow {
+			// libseccomp (runc) does not take the first rule that
+			// matches: an unconditional rule of a syscall overrides its
+			// argument rules. A refusal after argument rules that allow
+			// is left to the default action instead (ENOSYS, not
+			// EPERM: refused either way).
+			names = slices.DeleteFunc(slices.Clone(names), func(n string) bool { return conditional[n] })
+			if len(names) == 0 {
+				continue
+			}
+		}
+		s := specs.LinuxSyscall{Names: names}
 		switch r.Action {
 		case sandbox.Allow:
 			s.Action = specs.ActAllow
