@@ -100,3 +100,11 @@ wasm: build
 
 clean:
 	rm -rf $(BIN)
+
+# A kiln for `kiln bench`'s hardening rows only: built with the tag
+# kiln_benchknobs, it reads KILN_BENCH_WEAKEN, which turns seccomp, Landlock
+# or the per-box cgroup off in forked jail boxes. Never ship it; `make
+# build` has no code that reads the variable.
+.PHONY: bench-kiln
+bench-kiln: build
+	$(GO) build -tags kiln_benchknobs -o $(BIN)/kiln-benchknobs ./cmd/kiln

@@ -62,8 +62,8 @@ type Options struct {
 	// enough for the pool to refill. Default 100ms.
 	Gap time.Duration
 	// Skip names measurements to leave out (prefixes of their keys:
-	// "spawn", "session", "first", "percall", "pandas", "throughput",
-	// "pss").
+	// "spawn", "pipe", "coldstart", "session", "first", "percall",
+	// "percall-pandas", "throughput", "hardening", "pss").
 	Skip []string
 	// Progress, if set, gets a line per measurement as it starts.
 	Progress io.Writer
@@ -120,23 +120,38 @@ func (o *Options) defaults() error {
 type Measurement struct {
 	Key  string `json:"key"`
 	Name string `json:"name"`
-	// Unit of P50 and P99: "ms", "MiB" or "calls/s".
+	// Unit of P50 and P99: "ms" (wall-clock latency), "ms CPU" (CPU
+	// time; the name says whether machine-wide or of the bench's
+	// cgroup), "MiB" or "calls/s".
 	Unit string  `json:"unit"`
 	N    int     `json:"n"`
 	P50  float64 `json:"p50"`
 	P99  float64 `json:"p99"`
 	// Ratio is P50 over the python3 spawn's P50 (latencies only).
 	Ratio float64 `json:"ratio_to_spawn,omitempty"`
-	Note  string  `json:"note,omitempty"`
-	Err   string  `json:"error,omitempty"`
+	// CgroupCPU is, for a CPU row, the same figure counted in the
+	// bench's cgroup (Report.CPUAccounting says what it misses).
+	CgroupCPU float64 `json:"cgroup_cpu_ms,omitempty"`
+	Note      string  `json:"note,omitempty"`
+	Err       string  `json:"error,omitempty"`
 }
 
-// Target is one goal of issue 3, checked against this run.
+// Target is one goal of issue 18, checked against this run: Value (in
+// Unit) against Limit, which for a relative target is Factor times the
+// same run's baseline (the measurement keyed Base).
 type Target struct {
-	Name string `json:"name"`
-	Want string `json:"want"`
-	Got  string `json:"got"`
-	Met  bool   `json:"met"`
+	Name   string  `json:"name"`
+	Want   string  `json:"want"`
+	Got    string  `json:"got"`
+	Met    bool    `json:"met"`
+	Key    string  `json:"key,omitempty"`
+	Value  float64 `json:"value,omitempty"`
+	Limit  float64 `json:"limit,omitempty"`
+	Unit   string  `json:"unit,omitempty"`
+	Base   string  `json:"base,omitempty"`
+	Factor float64 `json:"factor,omitempty"`
+	// Bound says what bounds a target that is not met, when known.
+	Bound string `json:"bound,omitempty"`
 }
 
 // Report is the outcome of a run.
@@ -145,6 +160,7 @@ type Report struct {
 	// Accel is the microVM accelerator in use ("kvm" or "tcg"); empty for
 	// other backends. Every kiln figure of a microVM run names it.
 	Accel       string    `json:"accel,omitempty"`
+	Kiln        string    `json:"kiln"` // the binary under test
 	ServerArgs  []string  `json:"server_args,omitempty"`
 	ServerEnv   []string  `json:"server_env,omitempty"`
 	Pool        int       `json:"pool"`
@@ -154,10 +170,16 @@ type Report struct {
 	Started     time.Time `json:"started"`
 	// LoadAverage is /proc/loadavg at the start and the end of the run:
 	// other work on the machine inflates every latency.
-	LoadAverage  []string      `json:"load_average,omitempty"`
-	Elapsed      time.Duration `json:"elapsed_ns"`
-	Measurements []Measurement `json:"measurements"`
-	Targets      []Target      `json:"targets"`
+	LoadAverage []string      `json:"load_average,omitempty"`
+	Elapsed     time.Duration `json:"elapsed_ns"`
+	// IdleBusy is the share of the machine's CPU time busy while kiln
+	// was idle (the cpu-idle row): other work in every machine-wide
+	// figure.
+	IdleBusy float64 `json:"idle_busy,omitempty"`
+	// CPUAccounting says what the cgroup figures of CPU rows cover.
+	CPUAccounting string        `json:"cpu_accounting,omitempty"`
+	Measurements  []Measurement `json:"measurements"`
+	Targets       []Target      `json:"targets"`
 }
 
 func (r *Report) get(key string) *Measurement {
@@ -184,7 +206,7 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 		return nil, err
 	}
 	r := &runner{opts: opts, log: opts.Logger, rep: &Report{
-		Backend: opts.Backend, ServerArgs: opts.ServerArgs, ServerEnv: opts.ServerEnv,
+		Backend: opts.Backend, Kiln: opts.Kiln, ServerArgs: opts.ServerArgs, ServerEnv: opts.ServerEnv,
 		Pool: opts.Pool, PoolWorkers: opts.PoolWorkers,
 		CPUs: runtime.NumCPU(), Go: runtime.Version(), Started: time.Now(),
 		LoadAverage: []string{loadAverage()},
@@ -194,6 +216,7 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 		r.log.Debug("not counting CPU time", "err", err)
 	} else {
 		r.cpu = g
+		r.rep.CPUAccounting = g.covers()
 		defer g.close()
 	}
 	steps := []struct {
@@ -201,9 +224,12 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 		fn  func(context.Context) error
 	}{
 		{"spawn", r.spawn},
+		{"pipe", r.pipe},
+		{"coldstart", r.coldStart},
 		{"session", r.session},
 		{"percall", r.perCall},
 		{"throughput", r.throughput},
+		{"hardening", r.hardening},
 		{"pss", r.memory},
 	}
 	var errs []error
@@ -297,8 +323,12 @@ func (r *runner) spawn(ctx context.Context) error {
 		{"spawn-numpy", "python3 -c 'import numpy, pandas' spawn", "import numpy, pandas", "", max(r.opts.Iterations/5, 5)},
 	}
 	for _, c := range cases {
+		if r.skipped(c.key) {
+			continue
+		}
 		r.progress("measuring %s", c.name)
 		var samples []time.Duration
+		w := r.cpuStart()
 		for range c.n {
 			start := time.Now()
 			out, err := exec.CommandContext(ctx, r.opts.Python, "-c", c.code).CombinedOutput()
@@ -308,7 +338,12 @@ func (r *runner) spawn(ctx context.Context) error {
 			}
 			samples = append(samples, d)
 		}
+		span := w.stop()
 		r.latency(c.key, c.name, samples, r.opts.Python)
+		if c.key == "spawn" {
+			r.cpuRow("cpu-spawn", "CPU per python3 -c spawn, machine-wide", span, len(samples),
+				"busy time of all CPUs over the spawn series / spawns")
+		}
 	}
 	return nil
 }
@@ -381,7 +416,7 @@ func runPython(code, session string) map[string]any {
 }
 
 func (r *runner) session(ctx context.Context) error {
-	srv, err := r.startServer(ctx, "session", r.opts.Pool)
+	srv, err := r.startWarm(ctx, "session", r.opts.Pool)
 	if err != nil {
 		return err
 	}
@@ -429,15 +464,11 @@ func (r *runner) session(ctx context.Context) error {
 }
 
 func (r *runner) perCall(ctx context.Context) error {
-	srv, err := r.startServer(ctx, "per-call", r.opts.Pool)
+	srv, err := r.startWarm(ctx, "per-call", r.opts.Pool)
 	if err != nil {
 		return err
 	}
 	defer srv.close()
-	// The first call also waits for whatever the backend prepares once.
-	if _, err := srv.call(ctx, "run_python", runPython(printCode, ""), printWant); err != nil {
-		return err
-	}
 	cases := []struct{ key, name, code, want string }{
 		{"percall", "per-call print(2+2), fresh sandbox", printCode, printWant},
 		{"percall-pandas", "per-call pandas, fresh sandbox", pandasCode, pandasWant},
@@ -484,13 +515,32 @@ func (r *runner) perCall(ctx context.Context) error {
 // throughput runs per-call print(2+2) from n concurrent callers on one
 // stdio connection (the server handles calls concurrently) for Duration.
 func (r *runner) throughput(ctx context.Context) error {
-	srv, err := r.startServer(ctx, "per-call", r.opts.Pool)
+	srv, err := r.startWarm(ctx, "per-call", r.opts.Pool)
 	if err != nil {
 		return err
 	}
 	defer srv.close()
-	if _, err := srv.call(ctx, "run_python", runPython(printCode, ""), printWant); err != nil {
+	// The idle baseline: the machine's busy time over an equal interval,
+	// the server up with its pool full, nobody calling.
+	if err := sleep(ctx, r.opts.Settle); err != nil {
 		return err
+	}
+	r.progress("measuring the idle machine's CPU for %s", r.opts.Duration)
+	w := r.cpuStart()
+	if err := sleep(ctx, r.opts.Duration); err != nil {
+		return err
+	}
+	idle := w.stop()
+	if idle.MachineErr == nil {
+		m := Measurement{Key: "cpu-idle", Name: "CPU busy, idle machine, machine-wide", Unit: "ms CPU", N: 1,
+			P50: ms(idle.Machine), P99: ms(idle.Machine),
+			Note: fmt.Sprintf("all CPUs over %s with the server idle, just before the throughput runs: subtract it from their totals", idle.Elapsed.Round(time.Millisecond))}
+		busy := idle.Machine.Seconds() / (idle.Elapsed.Seconds() * float64(r.rep.CPUs))
+		r.rep.IdleBusy = busy
+		if busy > busyMachine {
+			m.Note += fmt.Sprintf("; WARNING: the machine was %.0f%% busy without kiln, so every machine-wide figure holds other work", 100*busy)
+		}
+		r.add(m)
 	}
 	for _, n := range r.opts.Clients {
 		r.progress("measuring per-call throughput with %d concurrent clients for %s", n, r.opts.Duration)
@@ -504,7 +554,7 @@ func (r *runner) throughput(ctx context.Context) error {
 			firstEr error
 			wg      sync.WaitGroup
 		)
-		cpu0, self0 := r.cpuUsage()
+		w := r.cpuStart()
 		start := time.Now()
 		deadline := start.Add(r.opts.Duration)
 		for range n {
@@ -528,7 +578,7 @@ func (r *runner) throughput(ctx context.Context) error {
 		}
 		wg.Wait()
 		elapsed := time.Since(start)
-		cpu1, self1 := r.cpuUsage()
+		span := w.stop()
 		p50, p99 := percentiles(samples)
 		m := Measurement{
 			Key:  fmt.Sprintf("throughput-%d", n),
@@ -537,17 +587,20 @@ func (r *runner) throughput(ctx context.Context) error {
 			P50:  float64(len(samples)) / elapsed.Seconds(),
 			Note: fmt.Sprintf("latency p50 %.1f ms, p99 %.1f ms", p50, p99),
 		}
-		if r.cpu != nil && len(samples) > 0 {
-			// CPU of the server, its helpers and the boxes, without the
-			// bench's own client work: the capacity of this machine.
-			per := float64((cpu1-cpu0)-(self1-self0)) / float64(time.Millisecond) / float64(len(samples))
-			m.Note += fmt.Sprintf("; %.1f ms CPU per call (kiln and sandbox), so at most %.0f calls/s on %d CPUs",
-				per, float64(r.rep.CPUs)*1000/per, r.rep.CPUs)
-		}
 		if f := failed.Load(); f > 0 {
 			m.Err = fmt.Sprintf("%d calls failed, first: %v", f, firstEr)
 		}
 		r.add(m)
+		if len(samples) > 0 {
+			note := fmt.Sprintf("busy time of all CPUs over the %d-client run / calls", n)
+			if idle.MachineErr == nil && span.MachineErr == nil && idle.Elapsed > 0 {
+				base := time.Duration(float64(idle.Machine) * span.Elapsed.Seconds() / idle.Elapsed.Seconds())
+				note += fmt.Sprintf("; %.0f ms busy in all, %.0f ms of it the idle baseline: %.1f ms per call net of it",
+					ms(span.Machine), ms(base), ms(span.Machine-base)/float64(len(samples)))
+			}
+			r.cpuRow(fmt.Sprintf("cpu-call-%d", n), fmt.Sprintf("CPU per per-call run, machine-wide, %d client%s", n, plural(n)),
+				span, len(samples), note)
+		}
 	}
 	return nil
 }
@@ -589,7 +642,7 @@ func (r *runner) memory(ctx context.Context) error {
 	}
 
 	r.progress("measuring PSS of %d idle sessions", n)
-	srv, err = r.startServer(ctx, "session", 0)
+	srv, err = r.startWarm(ctx, "session", 0)
 	if err != nil {
 		return err
 	}
@@ -678,54 +731,6 @@ func sleep(ctx context.Context, d time.Duration) error {
 	}
 }
 
-// --- targets ---
-
-func (r *runner) targets() {
-	get := func(k string) (float64, bool) {
-		m := r.rep.get(k)
-		if m == nil || m.Err != "" {
-			return 0, false
-		}
-		return m.P50, true
-	}
-	spawn, okSpawn := get("spawn")
-	add := func(name, want string, got float64, ok bool, unit string, met bool) {
-		t := Target{Name: name, Want: want}
-		if !ok {
-			t.Got = "not measured"
-		} else {
-			t.Got = fmt.Sprintf("%.1f %s", got, unit)
-			t.Met = met
-		}
-		r.rep.Targets = append(r.rep.Targets, t)
-	}
-	if v, ok := get("session-call"); true {
-		add("session call p50", fmt.Sprintf("≤ 0.25× spawn (%.1f ms)", 0.25*spawn), v, ok && okSpawn, "ms", v <= 0.25*spawn)
-	}
-	if v, ok := get("percall"); true {
-		add("per-call fresh sandbox p50 (warm pool)", fmt.Sprintf("≤ 0.5× spawn (%.1f ms)", 0.5*spawn), v, ok && okSpawn, "ms", v <= 0.5*spawn)
-	}
-	if v, ok := get("percall-b2b"); true {
-		add("per-call fresh sandbox p50 (back to back)", fmt.Sprintf("≤ 0.5× spawn (%.1f ms)", 0.5*spawn), v, ok && okSpawn, "ms", v <= 0.5*spawn)
-	}
-	if v, ok := get("percall-pandas"); true {
-		add("pandas call in a fresh sandbox p50 (warm pool)", "≤ 30 ms", v, ok, "ms", v <= 30)
-	}
-	if v, ok := get("percall-pandas-b2b"); true {
-		add("pandas call in a fresh sandbox p50 (back to back)", "≤ 30 ms", v, ok, "ms", v <= 30)
-	}
-	if v, ok := get("pss-pooled"); true {
-		add("PSS per idle pooled sandbox p50", "≤ 8 MiB", v, ok, "MiB", v <= 8)
-	}
-	best, okT := 0.0, false
-	for _, m := range r.rep.Measurements {
-		if strings.HasPrefix(m.Key, "throughput-") && m.Err == "" {
-			best, okT = max(best, m.P50), true
-		}
-	}
-	add("per-call executions per second (best level)", "≥ 100", best, okT, "calls/s", best >= 100)
-}
-
 // --- output ---
 
 // WriteTable prints the report as a table.
@@ -735,19 +740,26 @@ func (rep *Report) WriteTable(w io.Writer) {
 	if len(rep.LoadAverage) > 0 && rep.LoadAverage[0] != "" {
 		fmt.Fprintf(w, "load average at start and end: %s\n", strings.Join(rep.LoadAverage, " | "))
 	}
+	fmt.Fprintf(w, "kiln under test: %s\n", rep.Kiln)
+	if rep.CPUAccounting != "" {
+		fmt.Fprintf(w, "cgroup CPU figures: %s\n", rep.CPUAccounting)
+	}
+	if rep.IdleBusy > busyMachine {
+		fmt.Fprintf(w, "WARNING: the machine was %.0f%% busy with other work while kiln idled: machine-wide CPU figures are not kiln's\n", 100*rep.IdleBusy)
+	}
 	if len(rep.ServerArgs) > 0 || len(rep.ServerEnv) > 0 {
 		fmt.Fprintf(w, "server: %s %s\n", strings.Join(rep.ServerEnv, " "), strings.Join(rep.ServerArgs, " "))
 	}
-	fmt.Fprintf(w, "\n%-44s %6s %12s %12s %9s  %s\n", "measurement", "n", "p50", "p99", "× spawn", "notes")
+	fmt.Fprintf(w, "\n%-50s %6s %14s %12s %9s  %s\n", "measurement", "n", "p50", "p99", "× spawn", "notes")
 	for _, m := range rep.Measurements {
 		if m.Err != "" && m.N == 0 {
-			fmt.Fprintf(w, "%-44s %6s %12s %12s %9s  error: %s\n", m.Name, "-", "-", "-", "-", m.Err)
+			fmt.Fprintf(w, "%-50s %6s %14s %12s %9s  error: %s\n", m.Name, "-", "-", "-", "-", m.Err)
 			continue
 		}
-		p50 := fmt.Sprintf("%.1f %s", m.P50, m.Unit)
-		p99 := fmt.Sprintf("%.1f %s", m.P99, m.Unit)
-		if m.Unit == "calls/s" {
-			p99 = "-"
+		p50 := fmt.Sprintf("%s %s", num(m.P50), m.Unit)
+		p99 := fmt.Sprintf("%s %s", num(m.P99), m.Unit)
+		if m.Unit == "calls/s" || m.Unit == "ms CPU" {
+			p99 = "-" // one figure over the whole run
 		}
 		ratio := "-"
 		if m.Ratio > 0 {
@@ -760,21 +772,37 @@ func (rep *Report) WriteTable(w io.Writer) {
 		if m.Err != "" {
 			note += "; error: " + m.Err
 		}
-		fmt.Fprintf(w, "%-44s %6d %12s %12s %9s  %s\n", m.Name, m.N, p50, p99, ratio, note)
+		fmt.Fprintf(w, "%-50s %6d %14s %12s %9s  %s\n", m.Name, m.N, p50, p99, ratio, note)
 	}
 	if len(rep.Targets) > 0 {
-		fmt.Fprintf(w, "\n%-44s %-26s %-14s %s\n", "target", "want", "got", "")
+		fmt.Fprintf(w, "\ntargets of issue 18 (relative ones against this run's baselines)\n")
+		fmt.Fprintf(w, "%-50s %-30s %-22s %s\n", "target", "want", "got", "")
 		for _, t := range rep.Targets {
 			verdict := "met"
 			if !t.Met {
 				verdict = "NOT met"
+				if t.Bound != "" {
+					verdict += " (" + t.Bound + ")"
+				}
 			}
 			if t.Got == "not measured" {
 				verdict = ""
 			}
-			fmt.Fprintf(w, "%-44s %-26s %-14s %s\n", t.Name, t.Want, t.Got, verdict)
+			fmt.Fprintf(w, "%-50s %-30s %-22s %s\n", t.Name, t.Want, t.Got, verdict)
 		}
 	}
+}
+
+// num formats a figure with three significant digits below 10, one
+// decimal above.
+func num(v float64) string {
+	switch {
+	case v != 0 && v < 0.1:
+		return fmt.Sprintf("%.3f", v)
+	case v < 10:
+		return fmt.Sprintf("%.2f", v)
+	}
+	return fmt.Sprintf("%.1f", v)
 }
 
 // logWriter forwards the server's stderr to the logger, a line at a time.

@@ -192,6 +192,14 @@ func newCPUGroup() (*cpuGroup, error) {
 	return g, nil
 }
 
+// covers says what the group's count holds and misses.
+func (g *cpuGroup) covers() string {
+	if g.v2 {
+		return "cgroup v2: the bench's group minus the bench, which the jail's boxes and runsc's processes leave: kiln's own CPU only"
+	}
+	return "cgroup v1, cpuacct of its own: the bench's group minus the bench; the jail's boxes stay in it, runsc's processes leave it"
+}
+
 // usage is the CPU time used in the group so far.
 func (g *cpuGroup) usage() (time.Duration, error) {
 	if g.v2 {

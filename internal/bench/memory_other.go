@@ -23,5 +23,6 @@ type cpuGroup struct{}
 func newCPUGroup() (*cpuGroup, error)           { return nil, errNoProc }
 func (*cpuGroup) usage() (time.Duration, error) { return 0, errNoProc }
 func (*cpuGroup) close()                        {}
+func (*cpuGroup) covers() string                { return "" }
 func selfCPU() time.Duration                    { return 0 }
 func loadAverage() string                       { return "" }

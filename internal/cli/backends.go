@@ -43,7 +43,7 @@ var registry = []backendEntry{
 			var c jail.Config
 			c.RegisterFlags(fs)
 			return func(ctx context.Context, env backendEnv) (sandbox.Backend, error) {
-				return jail.New(c.Apply(jail.Options{Agent: env.agent, Logger: env.log, Egress: env.net.gateway, Policy: env.net.policy, AllBoxes: env.allBoxes}))
+				return jail.New(c.Apply(jail.Options{Agent: env.agent, Logger: env.log, Egress: env.net.gateway, Policy: env.net.policy, AllBoxes: env.allBoxes, Template: env.template}))
 			}
 		},
 		benchFlags: func(fs *flag.FlagSet) func() ([]string, error) {
@@ -182,6 +182,7 @@ type backendEnv struct {
 	net      *network       // never nil
 	allBoxes sandbox.Limits // all boxes together; zero fields: no such limit
 	log      *slog.Logger
+	template string // a configured template's files (only the jail takes one)
 	// doctor builds the backend only to check it: nothing slow is built
 	// (runsc), only what is cached is used.
 	doctor bool

@@ -16,12 +16,18 @@ import (
 
 const benchUsage = `Usage: kiln bench [flags] [-- kiln mcp flags]
 
-Measures, in one run and side by side: a bare python3 spawn (with and
-without numpy and pandas), a session call, the first call of a new
-session, a per-call run in a fresh sandbox (print and pandas), per-call
-throughput at several concurrencies, and the PSS of idle sandboxes. Every
-kiln figure goes through a real MCP client talking to "kiln mcp" over
-stdio. Flags after "--" are passed to every "kiln mcp".
+Measures, in one run and side by side: the baselines (a bare python3
+spawn, with and without numpy and pandas, and its CPU; a round trip over a
+pipe to a python3 loop), a cold "kiln mcp" start to its first result, a
+session call, the first call of a new session, a per-call run in a fresh
+sandbox (print and pandas), per-call throughput at several concurrencies
+with the CPU per call counted machine-wide (/proc/stat, beside an idle
+baseline of equal length), for the jail the cost of each hardening measure
+(seccomp, Landlock, cgroups, zygote rotation; the first three only in a
+kiln built with "make bench-kiln"), and the PSS of idle sandboxes. Then it
+checks the targets of issue 18, relative ones against this run's
+baselines. Every kiln figure goes through a real MCP client talking to
+"kiln mcp" over stdio. Flags after "--" are passed to every "kiln mcp".
 
 `
 
@@ -37,6 +43,7 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 		verbose = fs.Bool("v", false, "show the servers' logs on stderr")
 	)
 	fs.StringVar(&opts.Backend, "backend", "jail", "backend of the kiln servers under test")
+	fs.StringVar(&opts.Kiln, "kiln", "", "kiln binary to run as the servers under test, with its kiln-agent beside it (default: this one), to compare builds with the same bench")
 	fs.StringVar(&opts.Python, "python", "/usr/bin/python3", "interpreter of the bare-spawn baselines")
 	fs.IntVar(&opts.Iterations, "n", 50, "samples per latency")
 	fs.DurationVar(&opts.Duration, "duration", 5*time.Second, "length of each throughput run")
@@ -46,7 +53,7 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	fs.IntVar(&opts.IdleBoxes, "idle", 4, "idle sandboxes and sessions the memory figures look at")
 	fs.DurationVar(&opts.Settle, "settle", time.Second, "pause before each first call on a new session and each series")
 	fs.DurationVar(&opts.Gap, "gap", 100*time.Millisecond, "pause between the per-call runs of the warm-pool series")
-	fs.StringVar(&skip, "skip", "", "comma-separated measurements to leave out: spawn, session, first, percall, pandas, throughput, pss")
+	fs.StringVar(&skip, "skip", "", "comma-separated measurements to leave out: spawn, pipe, coldstart, session, first, percall, pandas, throughput, hardening, pss")
 	var backendArgs []func() ([]string, error)
 	for _, e := range registry {
 		if e.benchFlags != nil {

@@ -39,6 +39,8 @@ Usage:
   kiln image build --oci REF       build the kubernetes backend's box image and push it to REF
   kiln k8s seccomp-profile         print kiln's seccomp profile for the kubelet (kubernetes backend)
   kiln wasm install                install the pinned Deno and Pyodide (wasm backend; needs npm)
+  kiln template create NAME --setup FILE | list | rm NAME
+                                   configured templates: files an operator's setup made, in every box (--template)
   kiln doctor                      which backends work here, and why not
   kiln version
 
@@ -74,6 +76,8 @@ func Main(args []string, stdout, stderr io.Writer) int {
 		err = runK8s(rest, stdout)
 	case "wasm":
 		err = runWasm(rest, stdout, stderr)
+	case "template":
+		err = runTemplate(rest, stdout, stderr)
 	case "doctor":
 		err = runDoctor(rest, stdout, stderr)
 	case "bench":
@@ -117,6 +121,7 @@ type common struct {
 	preload     string
 	allowNet    string
 	egressHosts string
+	tpl         templateFlags
 	verbose     bool
 	backends    backends // every registered backend, with its own flags
 	obs         obsFlags // audit log and metrics (kiln mcp and serve only)
@@ -143,6 +148,7 @@ func (c *common) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.preload, "preload", "numpy,pandas,matplotlib", "Python modules imported before the first call (skipped when missing)")
 	fs.StringVar(&c.allowNet, "allow-net", "", "hosts sandboxes may reach over HTTP(S), comma-separated: host, *.domain, host:port (default: none, loopback only)")
 	fs.StringVar(&c.egressHosts, "egress-hosts", "", "hosts file (/etc/hosts format) the egress gateway resolves names with before DNS")
+	c.tpl.register(fs)
 	c.backends = registerBackends(fs)
 	fs.BoolVar(&c.verbose, "v", false, "debug logging on stderr")
 }
@@ -212,6 +218,11 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 	if err := c.resources.check(c.maxOutput); err != nil {
 		return nil, err
 	}
+	tpl, err := c.tpl.load(c.backend)
+	if err != nil {
+		return nil, err
+	}
+	preload := templatePreload(tpl, splitList(c.preload))
 	obs, err := c.obs.open(c.backend, log)
 	if err != nil {
 		return nil, err
@@ -222,7 +233,12 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		return nil, err
 	}
 	maxBoxes, all := c.bounds.resolve(c.limits())
-	b, err := c.backends.newBackend(ctx, c.backend, backendEnv{agent: c.agent, net: net, allBoxes: all, log: log})
+	env := backendEnv{agent: c.agent, net: net, allBoxes: all, log: log}
+	if tpl != nil {
+		env.template = tpl.FilesDir()
+		log.Info("serving from a template", "template", tpl.Name, "import", tpl.Import)
+	}
+	b, err := c.backends.newBackend(ctx, c.backend, env)
 	if err != nil {
 		if net.gateway != nil {
 			net.gateway.Close()
@@ -234,7 +250,7 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		Backend:        b,
 		Mode:           mode,
 		Limits:         c.limits(),
-		Preload:        splitList(c.preload),
+		Preload:        preload,
 		DefaultTimeout: c.timeout,
 		MaxTimeout:     c.maxTimeout,
 		IdleTTL:        c.idleTTL,
@@ -246,7 +262,7 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		Observer:       obs.observer(),
 	}))
 	if w, ok := b.(sandbox.Warmer); ok {
-		spec := sandbox.Spec{Limits: mgr.Options().Limits, Preload: splitList(c.preload)}
+		spec := sandbox.Spec{Limits: mgr.Options().Limits, Preload: preload}
 		go func() {
 			if err := w.Warm(ctx, spec); err != nil {
 				log.Warn("preparing the template ahead of demand", "err", err)
@@ -260,6 +276,9 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 	var rt sandbox.Runtime
 	if d, ok := b.(sandbox.Describer); ok {
 		rt = d.Runtime()
+	}
+	if tpl != nil {
+		rt.Notes = append(rt.Notes, templateNote(tpl))
 	}
 	netDesc := ""
 	if !net.policy.Empty() {

@@ -8,7 +8,8 @@
 # error messages. The plan is data the host generates from the box plan
 # that a directly started box's init interprets too (package boxplan:
 # mounts, rlimits, Landlock rules, environment; and the seccomp program);
-# this file only carries it out, in this order:
+# this file only carries it out, in this order (the two-step form; see
+# _clone_box for the one-step form the template uses when it can):
 #
 #   template ─fork─▶ G  says 'c'; the host moves it into the box's cgroup.
 #                       G becomes the box's own host uid and creates the
@@ -54,6 +55,7 @@ CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
+SIGCHLD = 17
 
 PR_SET_DUMPABLE = 4
 PR_CAPBSET_DROP = 24
@@ -74,6 +76,9 @@ IFF_UP = 0x1
 _CTL = None  # the control socket, fd 3
 _SYS_CAPSET = -1  # capset(2)'s number, from the plan
 _SYS_CAPGET = -1  # capget(2)'s
+_SYS_CLONE = -1  # clone(2)'s, from the plan; absent: the two-step fork
+# Calls that must keep the GIL, as os.fork does around fork(2).
+_libc_gil = ctypes.PyDLL(None, use_errno=True)
 
 
 def _check(ret, what):
@@ -219,8 +224,6 @@ def _say(fd, byte):
 def _box(plan, to_t, from_t):
     """G, in the template's namespaces. Runs with fds 0/1 = the box's
     stream, 2 = its error pipe. Returns only in K."""
-    global _SYS_CAPSET, _SYS_CAPGET
-    _SYS_CAPSET, _SYS_CAPGET = plan["sys_capset"], plan["sys_capget"]
     _say(1, b"c")
     if os.read(0, 1) != b"k":
         raise RuntimeError("the host did not place the box in its cgroup")
@@ -240,7 +243,37 @@ def _box(plan, to_t, from_t):
     os.setresuid(0, 0, 0)
     if os.fork():
         os._exit(0)
-    # P, PID 1 of the box's pid namespace.
+    _pid1(plan)
+
+
+def _box_cloned(plan, to_t, from_t):
+    """P, cloned by the template straight into the box's user and pid
+    namespaces (_clone_box), as PID 1. Runs with fds 0/1 = the box's
+    stream, 2 = its error pipe. Returns only in K."""
+    # Born with the template's uids, changed for the clone: non-dumpable,
+    # which would give our /proc files to root and the template could not
+    # write our id maps.
+    _check(_prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "setting dumpable")
+    os.write(to_t, b"u")
+    _say(1, b"c")
+    if os.read(0, 1) != b"k":
+        raise RuntimeError("the host did not place the box in its cgroup")
+    if os.read(from_t, 1) != b"m":
+        raise RuntimeError("the template did not map the box's ids")
+    os.close(to_t)
+    os.close(from_t)
+    os.setresgid(0, 0, 0)
+    os.setresuid(0, 0, 0)
+    # The rest of the box's namespaces, now that we are in its cgroup: the
+    # cgroup namespace's root is the box's group, and what the kernel
+    # allocates for them is charged to the box.
+    _unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP)
+    _pid1(plan)
+
+
+def _pid1(plan):
+    """P, PID 1 of the box's pid namespace, root of its user namespace, in
+    all its namespaces and its cgroup. Returns only in K."""
     _check(_prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "setting non-dumpable")
     _say(1, b"p")
     for m in plan["mounts"]:
@@ -312,15 +345,23 @@ def _reseed():
 
 
 def _spawn(plan, fds):
-    """Fork G, the box's first process, and write its id maps once it has
-    its own user namespace. Returns True in the box's kernel only, False in
-    the template."""
+    """Make the box's first process, P cloned into the box's namespaces
+    (_clone_box) or else G forked (_box), and write its id maps once it
+    has its own user namespace. Returns True in the box's kernel only,
+    False in the template."""
+    global _SYS_CAPSET, _SYS_CAPGET, _SYS_CLONE
+    _SYS_CAPSET, _SYS_CAPGET = plan.get("sys_capset", -1), plan.get("sys_capget", -1)
+    _SYS_CLONE = plan.get("sys_clone", -1)
     a_r = a_w = b_r = b_w = -1
+    cloned = False
     try:
-        a_r, a_w = os.pipe()  # G to the template
-        b_r, b_w = os.pipe()  # the template to G
-        pid = os.fork()
-    except OSError as e:
+        a_r, a_w = os.pipe()  # G (or P) to the template
+        b_r, b_w = os.pipe()  # the template to G (or P)
+        if _can_clone():
+            pid, cloned = _clone_box(plan), True
+        else:
+            pid = os.fork()
+    except (OSError, AttributeError) as e:
         try:
             os.write(fds[1], ("kiln zygote: forking: %s\n" % e).encode())
         except OSError:
@@ -340,7 +381,7 @@ def _spawn(plan, fds):
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         _CTL.detach()
         _arrange([fds[0], fds[0], fds[1], a_w, b_r])
-        _box(plan, 3, 4)
+        (_box_cloned if cloned else _box)(plan, 3, 4)
         _reseed()
         return True
     except BaseException as e:
@@ -349,6 +390,76 @@ def _spawn(plan, fds):
         except Exception:
             pass
         os._exit(1)
+
+
+def _can_clone():
+    """Whether the template can clone a box in one step: the host gave
+    clone(2)'s number, this python exports its fork steps, and the
+    template is one thread. A raw clone(2) runs none of the pthread_atfork
+    handlers fork(3) runs, which libraries with threads of their own rely
+    on (OpenBLAS stops its pool in them); the template's pools are stopped
+    by _quiesce and stay so while it only forks."""
+    if _SYS_CLONE <= 0:
+        return False
+    api = ctypes.pythonapi
+    if not all(hasattr(api, f) for f in ("PyOS_BeforeFork", "PyOS_AfterFork_Child", "PyOS_AfterFork_Parent")):
+        return False
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
+def _clone(flags):
+    """fork() with namespace flags, as os.fork does it: the interpreter's
+    before- and after-fork steps (the import lock, the GIL, at-fork hooks
+    such as random's reseed) around a raw clone(2), called with the GIL
+    held. glibc's own at-fork handlers do not run, so the caller must be
+    single-threaded; glibc's cached thread id stays the parent's in the
+    child, which only its robust and error-checking mutexes read, and the
+    child forks (fork(3) sets its children's) and execs."""
+    ctypes.pythonapi.PyOS_BeforeFork()
+    pid = _libc_gil.syscall(ctypes.c_long(_SYS_CLONE), ctypes.c_ulong(flags | SIGCHLD), ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_ulong(0))
+    if pid == 0:
+        ctypes.pythonapi.PyOS_AfterFork_Child()
+        return 0
+    err = ctypes.get_errno()
+    ctypes.pythonapi.PyOS_AfterFork_Parent()
+    if pid == -1:
+        raise OSError(err, "clone: %s" % os.strerror(err))
+    return pid
+
+
+def _clone_box(plan):
+    """P in one step: a clone of the template that is PID 1 of the box's
+    new pid namespace, in the box's new user namespace, which owns it.
+    Where the two-step form copies the template's memory into G and G's
+    into P, this copies it once; the box's K is the second copy. The user
+    namespace must be owned by the box's host uid and P counted against
+    it, so the template takes that uid as real and effective uid (gid
+    alike) for the clone only (its capabilities stay: no uid is 0). P
+    enters the box's other namespaces once the host has moved it into the
+    box's cgroup (_box_cloned). What the kernel allocates for the user and
+    pid namespaces and P's page tables is charged to the template's
+    cgroup; K's are charged to the box's.
+    Returns P's pid in the template, 0 in P."""
+    host = plan["host_id"]
+    ruid, euid, _ = os.getresuid()
+    rgid, egid, _ = os.getresgid()
+    os.setresgid(host, host, -1)
+    try:
+        os.setresuid(host, host, -1)
+    except OSError:
+        os.setresgid(rgid, egid, -1)
+        raise
+    pid = -1
+    try:
+        pid = _clone(CLONE_NEWUSER | CLONE_NEWPID)
+    finally:
+        if pid != 0:  # the template: its own ids again
+            os.setresuid(ruid, euid, -1)
+            os.setresgid(rgid, egid, -1)
+    return pid
 
 
 def _map(pid, plan, from_g, to_g):
@@ -378,6 +489,50 @@ def _map(pid, plan, from_g, to_g):
         os.setresuid(-1, me, -1)
 
 
+def _quiesce():
+    """One fork whose child exits at once, to run the pthread_atfork
+    handlers of the libraries the preloads loaded: OpenBLAS stops its
+    thread pool in them and starts it again only when the template runs
+    BLAS, which it never does. A single-threaded template can then clone
+    boxes in one step (_clone_box)."""
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        # With SIGCHLD ignored this returns once the child is gone, when
+        # no page is shared with it any more (_hugepages needs that).
+        os.waitpid(pid, 0)
+    except OSError:
+        pass
+
+
+MADV_COLLAPSE = 25
+_HUGE = 2 << 20
+
+
+def _hugepages():
+    """Collapse the template's anonymous memory (the heap the preloads
+    filled) into transparent huge pages where it spans whole 2 MiB
+    blocks. Every box is a copy of the template: a fork copies one page
+    table entry per huge page instead of 512, and an exit frees as few;
+    a box that writes into a block splits only its own mapping of it and
+    copies 4 KiB pages, as before. MADV_COLLAPSE leaves the mappings'
+    flags alone, so a box's own allocations follow the host's THP setting.
+    Best effort: kernels before 6.1 do not have it."""
+    try:
+        maps = open("/proc/self/maps").read().splitlines()
+    except OSError:
+        return
+    for line in maps:
+        f = line.split()
+        if len(f) < 5 or f[1] != "rw-p" or (len(f) > 5 and f[5] != "[heap]"):
+            continue
+        lo, hi = (int(x, 16) for x in f[0].split("-"))
+        lo, hi = (lo + _HUGE - 1) & ~(_HUGE - 1), hi & ~(_HUGE - 1)
+        if hi > lo:
+            _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(MADV_COLLAPSE))
+
+
 def zygote_main():
     global _CTL
     preloaded = prepare()
@@ -387,6 +542,8 @@ def zygote_main():
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     gc.collect()
     gc.freeze()  # keep the collector off the shared pages in every box
+    _quiesce()
+    _hugepages()
     _CTL.send(json.dumps({"ready": True, "python": sys.version.split()[0], "preloaded": preloaded}).encode())
     while True:
         try:

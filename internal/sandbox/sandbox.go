@@ -131,6 +131,12 @@ type Spec struct {
 	// handed out, so the first call does not pay for them. Missing modules
 	// are skipped.
 	Preload []string
+	// Urgent says a call is waiting for this box (not a pool filling
+	// ahead of demand). A backend whose template for the spec is still
+	// being built may then start a plain box without the preloads rather
+	// than make the call wait for the template: the call pays only for
+	// the imports it uses.
+	Urgent bool
 }
 
 // Limits bound what one box may consume. Zero values mean the defaults.

@@ -82,9 +82,11 @@ func newID() string {
 
 // create makes a box with a slot its caller holds: the box keeps the slot
 // until it is destroyed, or the slot goes back now if creation fails.
-func (p *Pool) create(ctx context.Context) (sandbox.Sandbox, error) {
+// urgent: a call is waiting for it (sandbox.Spec.Urgent).
+func (p *Pool) create(ctx context.Context, urgent bool) (sandbox.Sandbox, error) {
 	spec := p.spec
 	spec.ID = newID()
+	spec.Urgent = urgent
 	start := time.Now()
 	box, err := p.backend.Create(ctx, spec)
 	event.Emit(p.obs, event.Box{Time: time.Now(), Backend: p.backend.Name(), Duration: time.Since(start), Err: err != nil})
@@ -110,7 +112,7 @@ func (p *Pool) fill() {
 			p.idle()
 			continue
 		}
-		box, err := p.create(p.ctx)
+		box, err := p.create(p.ctx, false)
 		if err != nil {
 			p.release()
 			if p.ctx.Err() != nil {
@@ -212,7 +214,7 @@ waiting:
 	}
 	// This call holds a slot now; the box made with it keeps it.
 	if p.size == 0 {
-		return p.create(ctx)
+		return p.create(ctx, true)
 	}
 	type made struct {
 		box sandbox.Sandbox
@@ -220,10 +222,10 @@ waiting:
 	}
 	direct := make(chan made, 1)
 	if !p.track(func() {
-		box, err := p.create(p.ctx)
+		box, err := p.create(p.ctx, true)
 		direct <- made{box, err}
 	}) {
-		return p.create(ctx) // the pool is closing
+		return p.create(ctx, true) // the pool is closing
 	}
 	adopt := func() {
 		// The direct creation lost (or its caller left): pool its box.

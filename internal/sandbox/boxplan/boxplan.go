@@ -38,6 +38,13 @@ const (
 	AgentPath = "/.kiln/kiln-agent"
 	// Hostname is every box's host name.
 	Hostname = "kiln"
+	// TemplateDir is where a configured template's files are bound,
+	// read-only, in every box of a server started with one (kiln template).
+	TemplateDir = "/template"
+	// TemplatePython is the directory under TemplateDir that is on
+	// PYTHONPATH: a template's setup installs modules there
+	// (pip install --target).
+	TemplatePython = TemplateDir + "/python"
 )
 
 // The unprivileged user code runs as inside a box; the agent runs as root

@@ -27,9 +27,11 @@ type Backend struct {
 	runsc   string
 	version string
 	dir     string // this process's state directory
-	root    string // the boxes' root directory
-	owner   string // stamp of this process, in its boxes' cgroup names
-	cgroups *boxkit.Cgroups
+	// sharedRoot is runsc's --shared-root for every box, under dir.
+	sharedRoot string
+	root       string // the boxes' root directory
+	owner      string // stamp of this process, in its boxes' cgroup names
+	cgroups    *boxkit.Cgroups
 
 	tpls *boxkit.TemplateCache[*template]
 

@@ -44,21 +44,27 @@ func CheckStatic(path string) error {
 	return nil
 }
 
+// runscBuild names how kiln builds runsc, in its cache file's name, so that
+// a change of build replaces an older cached binary: "ps1" is the build
+// with precompiled seccomp programs (runsc_build.go).
+const runscBuild = "ps1"
+
 // CachedRunscPath is where EnsureRunsc puts the pinned runsc:
-// <user cache dir>/kiln/bin/runsc-<RunscVersion>.
+// <user cache dir>/kiln/bin/runsc-<RunscVersion>-<build>.
 func CachedRunscPath() (string, error) {
 	dir, err := os.UserCacheDir()
 	if err != nil {
 		return "", fmt.Errorf("finding the cache directory: %w", err)
 	}
-	return filepath.Join(dir, "kiln", "bin", "runsc-"+RunscVersion), nil
+	return filepath.Join(dir, "kiln", "bin", "runsc-"+RunscVersion+"-"+runscBuild), nil
 }
 
 // EnsureRunsc returns the path of the pinned, static runsc in kiln's cache,
 // building it first if it is not there. Building needs the go command (on
-// PATH or in /usr/local/go/bin) and the Go module proxy; it takes about a
-// minute with a warm module cache and two cores. The module checksums are
-// verified as for any go install. logger may be nil.
+// PATH or in /usr/local/go/bin) and the Go module proxy; it takes a few
+// minutes with two cores (runsc_build.go: it precompiles the sentry's
+// seccomp programs, and falls back to a plain go install). The module
+// checksums are verified as for any go build. logger may be nil.
 func EnsureRunsc(ctx context.Context, logger *slog.Logger) (string, error) {
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
@@ -86,19 +92,25 @@ func EnsureRunsc(ctx context.Context, logger *slog.Logger) (string, error) {
 	}
 	defer os.RemoveAll(tmp)
 
-	logger.Info("building runsc (once; about a minute)", "version", RunscVersion, "dest", path)
+	logger.Info("building runsc (once; a few minutes)", "version", RunscVersion, "dest", path)
 	start := time.Now()
-	cmd := exec.CommandContext(ctx, goBin, "install", "-trimpath",
-		"-ldflags=-s -w -X gvisor.dev/gvisor/runsc/version.version="+RunscVersion,
-		runscPackage+"@"+RunscVersion)
-	cmd.Dir = tmp // outside any module: the pin is the only input
-	cmd.Env = buildEnv(os.Environ(), tmp)
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	if err := cmd.Run(); err != nil {
-		return "", fmt.Errorf("building runsc %s: %w: %s", RunscVersion, err, tail(out.String(), 2000))
+	built, err := buildRunscPrecompiled(ctx, goBin, tmp)
+	if err != nil {
+		if ctx.Err() != nil {
+			return "", fmt.Errorf("building runsc %s: %w", RunscVersion, err)
+		}
+		// The plain build: runsc builds its seccomp program at start.
+		logger.Warn("building runsc with precompiled seccomp programs failed; building it plain", "err", err)
+		cmd := exec.CommandContext(ctx, goBin, "install", "-trimpath", "-ldflags="+runscLdflags, runscPackage+"@"+RunscVersion)
+		cmd.Dir = tmp // outside any module: the pin is the only input
+		cmd.Env = buildEnv(os.Environ(), tmp)
+		var out bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &out, &out
+		if err := cmd.Run(); err != nil {
+			return "", fmt.Errorf("building runsc %s: %w: %s", RunscVersion, err, tail(out.String(), 2000))
+		}
+		built = filepath.Join(tmp, "runsc")
 	}
-	built := filepath.Join(tmp, "runsc")
 	if err := CheckStatic(built); err != nil {
 		return "", err
 	}

@@ -28,7 +28,9 @@ type initConfig struct {
 	AgentArgs  []string     `json:"agent_args"`
 	Plan       boxplan.Plan `json:"plan"` // the box's mounts, limits, rules and environment
 	ResolvConf string       `json:"resolv_conf"`
-	Rootless   bool         `json:"rootless"` // only uid 0 is mapped: stay 0, without capabilities
+	Rootless   bool         `json:"rootless"`              // only uid 0 is mapped: stay 0, without capabilities
+	Template   string       `json:"template,omitempty"`    // host dir bound at boxplan.TemplateDir (template_linux.go)
+	TemplateRW bool         `json:"template_rw,omitempty"` // writable: the template's setup
 }
 
 // MaybeInit runs the box init and never returns when the process was
@@ -243,7 +245,10 @@ func buildRoot(cfg *initConfig) error {
 	if err := touch(agentDst); err != nil {
 		return err
 	}
-	return bindRO(cfg.Agent, agentDst)
+	if err := bindRO(cfg.Agent, agentDst); err != nil {
+		return err
+	}
+	return bindTemplate(cfg)
 }
 
 func enterRoot(cfg *initConfig) error {

@@ -50,7 +50,15 @@ type Options struct {
 	// AllBoxes limits this server's boxes together (memory and pids): a
 	// cgroup holds every box's group. Zero fields mean no such limit.
 	AllBoxes sandbox.Limits
-	Logger   *slog.Logger
+	// Template is a host directory (a configured template's files, kiln
+	// template create) bound read-only at boxplan.TemplateDir in every box
+	// and in the zygote template, so that the zygote can import from it
+	// before it forks. Its python directory is on PYTHONPATH.
+	// TemplateWritable binds it writable instead, for the template's own
+	// setup only; the zygote is then off.
+	Template         string
+	TemplateWritable bool
+	Logger           *slog.Logger
 }
 
 // Bounds of one zygote template (Options.ZygoteMaxBoxes, ZygoteMaxAge).

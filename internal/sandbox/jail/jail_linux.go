@@ -83,6 +83,9 @@ func New(opts Options) (*Backend, error) {
 	if opts.StateDir == "" {
 		opts.StateDir = os.TempDir() + "/kiln-jail"
 	}
+	if err := prepareTemplate(&opts); err != nil {
+		return nil, err
+	}
 	// Box roots are uids no one has: they must be able to traverse to
 	// their mount point (and nothing else lives here).
 	if err := os.MkdirAll(opts.StateDir, 0o711); err != nil {
@@ -138,7 +141,7 @@ func (b *Backend) Check(ctx context.Context) error {
 
 // Create starts a box and waits for its agent.
 func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (_ sandbox.Sandbox, err error) {
-	if box, err := b.forkBox(ctx, spec); box != nil || err != nil {
+	if box, err := b.forkBox(ctx, &spec); box != nil || err != nil {
 		return box, err // from the zygote (zygote_linux.go)
 	}
 	lim := spec.Limits.WithDefaults()
@@ -195,6 +198,8 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (_ sandbox.Sand
 		Plan:       b.directPlan(lim, env),
 		ResolvConf: resolvConf,
 		Rootless:   b.rootless,
+		Template:   b.opts.Template,
+		TemplateRW: b.opts.TemplateWritable,
 	}
 	if err := json.NewEncoder(proc.cfg).Encode(&cfg); err != nil {
 		return nil, fmt.Errorf("sending box config: %w", err)

@@ -104,13 +104,21 @@ func (t *template) stop() {
 
 // get returns a ready template for preload and counts the box it will
 // make; the caller must release it once that box is destroyed or was
-// never made.
-func (z *zygotes) get(ctx context.Context, preload []string) (*boxkit.Template[*template], error) {
+// never made. An urgent caller does not wait for a template being built:
+// it gets errWarming.
+func (z *zygotes) get(ctx context.Context, preload []string, urgent bool) (*boxkit.Template[*template], error) {
 	key := strings.Join(preload, ",")
-	return z.tpls.Get(ctx, key, func(ctx context.Context, _ bool) (*template, time.Time, error) {
+	build := func(ctx context.Context, _ bool) (*template, time.Time, error) {
 		t, err := z.start(ctx, key)
 		return t, time.Time{}, err
-	})
+	}
+	if urgent {
+		if t := z.tpls.Ready(key, build); t != nil {
+			return t, nil
+		}
+		return nil, errWarming
+	}
+	return z.tpls.Get(ctx, key, build)
 }
 
 // start launches a template and waits until its python has imported the
@@ -226,6 +234,7 @@ func (z *zygotes) templateConfig(root, key string) initConfig {
 		Agent:     b.opts.Agent,
 		AgentArgs: append(args, "-zygote"),
 		Plan:      templatePlan(b.env()),
+		Template:  b.opts.Template,
 	}
 }
 
@@ -284,12 +293,18 @@ func (b *Backend) Close() error {
 }
 
 // forkBox makes a box from the zygote. It returns (nil, nil) when the
-// zygote is off or not working, and Create then starts the box directly.
-func (b *Backend) forkBox(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbox, error) {
+// zygote is off or not working, and Create then starts the box directly;
+// also for an urgent box while the template warms, whose preloads it then
+// drops (early_linux.go).
+func (b *Backend) forkBox(ctx context.Context, spec *sandbox.Spec) (sandbox.Sandbox, error) {
 	if b.zy == nil {
 		return nil, nil
 	}
-	t, err := b.zy.get(ctx, spec.Preload)
+	t, err := b.zy.get(ctx, spec.Preload, spec.Urgent)
+	if errors.Is(err, errWarming) {
+		b.early(spec)
+		return nil, nil
+	}
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
@@ -297,7 +312,7 @@ func (b *Backend) forkBox(ctx context.Context, spec sandbox.Spec) (sandbox.Sandb
 		b.log.Warn("jail zygote unavailable; starting the box directly", "err", err)
 		return nil, nil
 	}
-	box, err := b.fork(ctx, t, spec)
+	box, err := b.fork(ctx, t, *spec)
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil, err
@@ -319,11 +334,13 @@ func (b *Backend) fork(ctx context.Context, tt *boxkit.Template[*template], spec
 		}
 	}()
 	cl.Add(func() error { b.zy.tpls.Release(tt); return nil }) // last, after the box is gone
-	cg, err := b.cgroups.create(spec.ID, lim)
+	cg, err := b.forkCgroup(spec.ID, lim)
 	if err != nil {
 		return nil, err
 	}
-	cl.Add(cg.Destroy)
+	if cg != nil {
+		cl.Add(cg.Destroy)
+	}
 
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -379,7 +396,8 @@ func (b *Backend) fork(ctx context.Context, tt *boxkit.Template[*template], spec
 	// G, the fork, says 'c' first thing; it waits in the template's
 	// namespaces until it is in the box's cgroup. Then it becomes the
 	// box's host uid, creates the box's namespaces and forks P, the box's
-	// PID 1, which says 'p'.
+	// PID 1, which says 'p'. Where the template can, it clones P straight
+	// into the box's user and pid namespaces instead, and P says both.
 	gpid, err := readHello(host, 'c')
 	if err != nil {
 		return nil, fail("waiting for the fork", err)
@@ -388,8 +406,10 @@ func (b *Backend) fork(ctx context.Context, tt *boxkit.Template[*template], spec
 	if err := watchKill(&cl, gpid); err != nil {
 		return nil, fmt.Errorf("watching the fork: %w", err)
 	}
-	if err := cg.Add(gpid); err != nil {
-		return nil, err
+	if cg != nil {
+		if err := cg.Add(gpid); err != nil {
+			return nil, err
+		}
 	}
 	if _, err := host.Write([]byte{'k'}); err != nil {
 		return nil, fail("releasing the fork", err)
@@ -412,7 +432,9 @@ func (b *Backend) fork(ctx context.Context, tt *boxkit.Template[*template], spec
 	if err != nil {
 		return nil, fail("starting the agent", err) // NewAgentConn destroyed the box
 	}
-	b.log.Debug("forked a box", "id", spec.ID, "cgroup", sent.Sub(start), "fork", forked.Sub(sent), "ready", time.Since(forked))
+	// One step: the template cloned the box's PID 1 straight into its
+	// namespaces (zygote.py, _clone_box), so 'c' and 'p' came from it.
+	b.log.Debug("forked a box", "id", spec.ID, "one_step", gpid == pid, "cgroup", sent.Sub(start), "fork", forked.Sub(sent), "ready", time.Since(forked))
 	return &jailBox{AgentConn: conn, cg: cg}, nil
 }
 

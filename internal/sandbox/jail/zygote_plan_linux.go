@@ -31,6 +31,7 @@ type zygotePlan struct {
 	GID       int           `json:"gid"`
 	SysCapset int           `json:"sys_capset"`
 	SysCapget int           `json:"sys_capget"`
+	SysClone  int           `json:"sys_clone"`  // the template clones P into the box's namespaces in one step
 	AgentCaps uint64        `json:"agent_caps"` // what the box's PID 1 and agent keep
 	Landlock  *landlockPlan `json:"landlock,omitempty"`
 	Seccomp   []byte        `json:"seccomp"` // raw struct sock_filter array
@@ -66,7 +67,7 @@ func (b *Backend) directPlan(lim sandbox.Limits, env []string) boxplan.Plan {
 	if b.rootless {
 		owner = 0
 	}
-	return boxPlan(lim, owner, env)
+	return b.withTemplate(boxPlan(lim, owner, env))
 }
 
 // templatePlan is the plan of a zygote template: small, since no code runs
@@ -92,8 +93,8 @@ func (z *zygotes) plan(spec sandbox.Spec, lim sandbox.Limits, slot int) *zygoteP
 	idMap := fmt.Sprintf("0 %d %d", host, uidRange)
 	// Mounted by the box's PID 1, as root of the box's own user
 	// namespace: the owner is named there.
-	p := boxPlan(lim, boxUID, b.env())
-	return &zygotePlan{
+	p := b.withTemplate(boxPlan(lim, boxUID, b.env()))
+	return weaken(&zygotePlan{
 		HostID:    host,
 		UIDMap:    idMap,
 		GIDMap:    idMap,
@@ -105,13 +106,14 @@ func (z *zygotes) plan(spec sandbox.Spec, lim sandbox.Limits, slot int) *zygoteP
 		GID:       boxGID,
 		SysCapset: unix.SYS_CAPSET,
 		SysCapget: unix.SYS_CAPGET,
+		SysClone:  unix.SYS_CLONE,
 		AgentCaps: boxplan.CapMask(agentCaps),
 		Landlock:  zygoteLandlock(p.Landlock),
 		Seccomp:   z.prog,
 		Agent:     boxplan.AgentPath,
 		AgentArgs: b.agentArgs(spec),
 		Env:       p.Env,
-	}
+	})
 }
 
 // zygoteMounts are the plan's per-box mounts, in the order the direct

@@ -1,0 +1,166 @@
+package bench
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestParseProcStat(t *testing.T) {
+	stat := "cpu  100 5 50 9000 30 2 3 1 40 0\ncpu0 50 2 25 4500 15 1 1 0 20 0\nintr 1\n"
+	got, err := parseProcStat([]byte(stat))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// user+nice+system+irq+softirq+steal = 100+5+50+2+3+1 ticks; guest is in user.
+	if want := 161 * clockTick; got != want {
+		t.Errorf("busy = %s, want %s", got, want)
+	}
+	for _, bad := range []string{"", "cpu 1 2 3\n", "cpu a b c d e f g h\n", "intr 1\n"} {
+		if _, err := parseProcStat([]byte(bad)); err == nil {
+			t.Errorf("parseProcStat(%q) accepted it", bad)
+		}
+	}
+}
+
+func TestMachineBusyGrows(t *testing.T) {
+	b0, err := machineBusy()
+	if err != nil {
+		t.Skipf("no /proc/stat: %v", err)
+	}
+	end := time.Now().Add(300 * time.Millisecond)
+	for x := 0; time.Now().Before(end); x++ {
+	}
+	b1, err := machineBusy()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b1-b0 < 100*time.Millisecond {
+		t.Errorf("300ms of spinning counted as %s machine-wide", b1-b0)
+	}
+}
+
+func TestPipeRoundTrips(t *testing.T) {
+	py := "/usr/bin/python3"
+	if _, err := os.Stat(py); err != nil {
+		if py, err = exec.LookPath("python3"); err != nil {
+			t.Skip("no python3")
+		}
+	}
+	s, err := pipeRoundTrips(context.Background(), py, 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(s) != 20 {
+		t.Fatalf("%d samples, want 20", len(s))
+	}
+	// A loop that answers something else is an error, not a sample.
+	if _, err := pipeRoundTrips(context.Background(), "/bin/true", 1); err == nil {
+		t.Error("a far end that never answers gave samples")
+	}
+}
+
+func TestTargets(t *testing.T) {
+	rep := &Report{Backend: "jail", Measurements: []Measurement{
+		{Key: "spawn", Unit: "ms", N: 50, P50: 20},
+		{Key: "pipe", Unit: "ms", N: 200, P50: 0.5},
+		{Key: "session-call", Unit: "ms", N: 50, P50: 0.6},   // 1.2× pipe: met
+		{Key: "percall", Unit: "ms", N: 50, P50: 5},          // 0.25× spawn: not met
+		{Key: "percall-b2b", Unit: "ms", N: 50, Err: "boom"}, // not measured
+		{Key: "throughput-1", Unit: "calls/s", N: 300, P50: 60},
+		{Key: "throughput-2", Unit: "calls/s", N: 500, P50: 100},
+		{Key: "cpu-call-1", Unit: "ms CPU", N: 300, P50: 30},
+		{Key: "cpu-call-2", Unit: "ms CPU", N: 500, P50: 7},
+	}}
+	got := map[string]Target{}
+	for _, tg := range rep.checkTargets() {
+		got[tg.Name] = tg
+	}
+	for _, c := range []struct {
+		name     string
+		met      bool
+		measured bool
+		key      string
+	}{
+		{"session call p50", true, true, "session-call"},
+		{"jail: per-call p50, warm pool", false, true, "percall"},
+		{"jail: per-call p50, back to back", false, false, "percall-b2b"},
+		{"jail: CPU per per-call run, machine-wide", true, true, "cpu-call-2"}, // at the best level
+		{"jail: per-call throughput, best level", false, true, "throughput-2"},
+		{"cold kiln mcp start to first result", false, false, "coldstart"},
+	} {
+		tg, ok := got[c.name]
+		if !ok {
+			t.Errorf("no target %q", c.name)
+			continue
+		}
+		measured := tg.Got != "not measured"
+		if tg.Met != c.met || measured != c.measured || tg.Key != c.key {
+			t.Errorf("%s: met %v measured %v key %q, want %v %v %q (%+v)", c.name, tg.Met, measured, tg.Key, c.met, c.measured, c.key, tg)
+		}
+	}
+	if _, ok := got["gVisor: CPU per per-call run, machine-wide"]; ok {
+		t.Error("a jail run checks gVisor's targets")
+	}
+	if tg := got["session call p50"]; tg.Limit != 1.3*0.5 || tg.Base != "pipe" || !strings.Contains(tg.Want, "pipe") {
+		t.Errorf("session call target %+v, want a limit of 1.3× the pipe's 0.5 ms", tg)
+	}
+}
+
+// The test binary is built without the bench-only tag.
+func TestHasBenchKnobs(t *testing.T) {
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ok, err := hasBenchKnobs(exe)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ok {
+		t.Errorf("%s: says it was built with -tags %s", exe, BenchKnobsTag)
+	}
+	if _, err := hasBenchKnobs("/dev/null"); err == nil {
+		t.Error("a file that is no Go binary has build info")
+	}
+}
+
+func TestPreloadsNone(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want bool
+	}{
+		{nil, false},
+		{[]string{"--preload", "numpy"}, false},
+		{[]string{"--preload", ""}, true},
+		{[]string{"--preload="}, true},
+		{[]string{"-preload=", "--preload=json"}, false}, // the last one counts
+	} {
+		if got := preloadsNone(c.args); got != c.want {
+			t.Errorf("preloadsNone(%q) = %v, want %v", c.args, got, c.want)
+		}
+	}
+}
+
+// A CPU target not met on a busy machine names the cgroup figure and the
+// figure with every hardening measure off.
+func TestTargetBounds(t *testing.T) {
+	rep := &Report{Backend: "jail", IdleBusy: 0.9, Measurements: []Measurement{
+		{Key: "throughput-2", Unit: "calls/s", N: 100, P50: 50},
+		{Key: "cpu-call-2", Unit: "ms CPU", N: 100, P50: 200, CgroupCPU: 40},
+		{Key: "hardening-all-off-cpu", Unit: "ms CPU", N: 50, P50: 150, CgroupCPU: 33},
+	}}
+	for _, tg := range rep.checkTargets() {
+		if tg.Key != "cpu-call-2" {
+			continue
+		}
+		if tg.Met || !strings.Contains(tg.Bound, "cgroup figure 40.0 ms") || !strings.Contains(tg.Bound, "off: 150.0 ms (cgroup 33.0 ms)") {
+			t.Errorf("CPU target %+v: want not met, bounded by the cgroup figure and the all-off row", tg)
+		}
+		return
+	}
+	t.Fatal("no CPU target")
+}

@@ -1,0 +1,119 @@
+package bench
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Machine-wide CPU time. The bench's cgroup (cpuGroup) misses whatever a
+// backend moves out of it: the jail's boxes under cgroup v2, runsc's
+// sandbox and gofer processes. /proc/stat counts every CPU of the machine
+// whoever runs on it, so the machine-wide figure holds everything kiln
+// costs, plus the bench's own client and whatever else runs; the idle
+// baseline, taken over an equal interval just before, says how much the
+// rest is.
+
+// clockTick is USER_HZ, the unit of /proc/stat: 100 on every Linux
+// architecture kiln builds for (it is part of the kernel's ABI, unlike
+// HZ).
+const clockTick = 10 * time.Millisecond
+
+// parseProcStat returns the busy time of the machine from /proc/stat's
+// aggregate "cpu" line: user, nice, system, irq, softirq and steal (guest
+// time is already inside user and nice; idle and iowait are not busy).
+func parseProcStat(b []byte) (time.Duration, error) {
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) == 0 || f[0] != "cpu" {
+			continue
+		}
+		if len(f) < 9 {
+			return 0, fmt.Errorf("short cpu line in /proc/stat: %q", line)
+		}
+		var busy int64
+		for _, i := range []int{1, 2, 3, 6, 7, 8} { // user nice system (idle iowait) irq softirq steal
+			n, err := strconv.ParseInt(f[i], 10, 64)
+			if err != nil {
+				return 0, fmt.Errorf("parsing /proc/stat: %w", err)
+			}
+			busy += n
+		}
+		return time.Duration(busy) * clockTick, nil
+	}
+	return 0, errors.New("no cpu line in /proc/stat")
+}
+
+// cpuWindow is a stretch of time over which the machine's busy time and
+// the bench's cgroup usage are both counted.
+type cpuWindow struct {
+	r             *runner
+	start         time.Time
+	busy0         time.Duration
+	busyErr       error
+	group0, self0 time.Duration
+}
+
+func (r *runner) cpuStart() *cpuWindow {
+	w := &cpuWindow{r: r}
+	w.group0, w.self0 = r.cpuUsage()
+	w.busy0, w.busyErr = machineBusy()
+	w.start = time.Now()
+	return w
+}
+
+// cpuSpan is what a window measured.
+type cpuSpan struct {
+	Elapsed time.Duration
+	// Machine is the machine-wide busy time (0 with MachineErr set).
+	Machine    time.Duration
+	MachineErr error
+	// Group is the CPU time of the bench's cgroup minus the bench's own
+	// (0 when no group could be made).
+	Group    time.Duration
+	HasGroup bool
+}
+
+func (w *cpuWindow) stop() cpuSpan {
+	busy1, err := machineBusy()
+	s := cpuSpan{Elapsed: time.Since(w.start), MachineErr: w.busyErr}
+	if s.MachineErr == nil {
+		s.MachineErr = err
+	}
+	if s.MachineErr == nil {
+		s.Machine = busy1 - w.busy0
+	}
+	if w.r.cpu != nil {
+		g1, self1 := w.r.cpuUsage()
+		s.Group, s.HasGroup = (g1-w.group0)-(self1-w.self0), true
+	}
+	return s
+}
+
+// busyMachine is the share of CPU busy without kiln above which the
+// machine-wide figures carry a warning.
+const busyMachine = 0.05
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// cpuRow adds the machine-wide CPU time of span per one of n operations,
+// with the bench's cgroup figure beside it in the note.
+func (r *runner) cpuRow(key, name string, span cpuSpan, n int, note string) {
+	if n <= 0 {
+		return
+	}
+	m := Measurement{Key: key, Name: name, Unit: "ms CPU", N: n, Note: note}
+	if span.MachineErr != nil {
+		m.Err = fmt.Sprintf("reading machine-wide CPU time: %v", span.MachineErr)
+	} else {
+		m.P50 = ms(span.Machine) / float64(n)
+		m.P99 = m.P50
+	}
+	if span.HasGroup {
+		m.CgroupCPU = ms(span.Group) / float64(n)
+		m.Note += fmt.Sprintf("; cgroup figure %.1f ms (%s)", m.CgroupCPU, r.cpu.covers())
+	}
+	r.add(m)
+}
