@@ -281,8 +281,9 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 	if err != nil {
 		return nil, fmt.Errorf("creating the box's Pod: %w", err)
 	}
-	log := b.log.With("pod", pod.Name, "box", spec.ID)
-	destroy := func() error { return b.deletePod(pod.Name) }
+	name := pod.Name
+	log := b.log.With("pod", name, "box", spec.ID)
+	destroy := func() error { return b.deletePod(name) }
 	ok := false
 	defer func() {
 		if !ok {

@@ -91,9 +91,12 @@ func buildPod(c podConfig) *corev1.Pod {
 		corev1.ResourceCPU:              *cpu,
 		corev1.ResourceEphemeralStorage: eph,
 	}
-	// Requests equal limits: the scheduler places a box where its limits
-	// fit, and the Pod is Guaranteed (evicted last).
+	// Memory and storage requests equal their limits: the scheduler places
+	// a box where its memory fits. CPU is asked for at a tenth of its
+	// limit: it is compressible, the limit bounds the box, and boxes wait
+	// idle most of their lives.
 	requests := limits.DeepCopy()
+	requests[corev1.ResourceCPU] = *resource.NewMilliQuantity(max(int64(l.CPUs*100), 10), resource.DecimalSI)
 	var env []corev1.EnvVar
 	for _, kv := range append(append([]string(nil), boxplan.Env...), boxplan.UserEnv(int(uid))...) {
 		k, v, _ := strings.Cut(kv, "=")
