@@ -142,7 +142,10 @@ func (c *cluster) runtimeClass(t *testing.T, name string) {
 	}
 }
 
-var conformance = sandboxtest.Options{}
+// A box's workspace and /tmp are memory-backed emptyDirs: tmpfs without an
+// inode cap, whose files count against the memory limit, so an inode fill
+// may end the box as a memory bomb does.
+var conformance = sandboxtest.Options{MemoryBombKillsBox: true}
 
 func TestConformanceRunc(t *testing.T) {
 	c := needCluster(t)
