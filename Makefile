@@ -6,7 +6,7 @@ BIN     := bin
 APT_RUNTIME := python3 python3-numpy python3-pandas python3-matplotlib
 APT_TEST    := iproute2 nftables curl qemu-system-x86 debootstrap e2fsprogs systemd
 
-.PHONY: all build run serve demo test test-go test-e2e conformance deps deps-runtime deps-test runsc wasm lint race fuzz clean
+.PHONY: all build run serve demo test test-go test-e2e conformance deps deps-runtime deps-test runsc wasm lint race fuzz k8s-cluster k8s-down k8s-test clean
 
 all: build
 
@@ -97,6 +97,22 @@ runsc:
 # cache and checked against their pinned sha512 (about 50 MB).
 wasm: build
 	$(BIN)/kiln wasm install
+
+# A one-node Kubernetes cluster built here for the kubernetes backend's
+# tests (issue 17): contrib/k8s/cluster/cluster.sh builds its binaries
+# once into ~/.cache/kiln/k8s, starts it and prints the kubeconfig path;
+# `cluster.sh env` prints KUBECONFIG and the registry for tests.
+# k8s-test pushes an image to its registry and runs, execs into and
+# deletes a Pod. Needs root, containerd and runc (apt-get).
+K8S_CLUSTER := contrib/k8s/cluster/cluster.sh
+k8s-cluster:
+	@$(K8S_CLUSTER) up
+
+k8s-down:
+	@$(K8S_CLUSTER) down
+
+k8s-test: k8s-cluster
+	cd contrib/k8s/cluster/tools && env $$(../cluster.sh env) KILN_K8S_SMOKE=1 $(GO) test -count=1 -v ./smoke
 
 clean:
 	rm -rf $(BIN)
