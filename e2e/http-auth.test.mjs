@@ -138,7 +138,7 @@ describe('http auth and sessions', { skip }, () => {
 
   it('serves the stateless revision: no initialize, the result names a session that a later call continues', async () => {
     const list = await stateless(srv.url, ALICE, 1, 'tools/list');
-    assert.deepEqual(list.tools.map((t) => t.name).sort(), ['cancel_job', 'job_status', 'list_files', 'read_file', 'reset_session', 'run_python', 'run_shell', 'write_file']);
+    assert.deepEqual(list.tools.map((t) => t.name).sort(), ['cancel_job', 'delete_snapshot', 'fork_session', 'job_status', 'list_files', 'list_sessions', 'list_snapshots', 'read_file', 'reset_session', 'restore_session', 'run_python', 'run_shell', 'snapshot_session', 'write_file']);
     for (const t of list.tools) assert.equal(t.outputSchema, undefined, `${t.name} advertises an outputSchema`);
 
     const first = await stateless(srv.url, ALICE, 2, 'tools/call', { name: 'run_python', arguments: { code: 'memo = 6 * 7\nprint("set", memo)' } });

@@ -32,7 +32,7 @@ const stdioTarget = [KILN, 'mcp', ...BASE_FLAGS, '--preload', ''];
 describe('inspector-cli', { skip }, () => {
   it('lists the tools over stdio', async () => {
     const res = await inspector([...stdioTarget, '--method', 'tools/list']);
-    assert.deepEqual(res.tools.map((t) => t.name).sort(), ['cancel_job', 'job_status', 'list_files', 'read_file', 'reset_session', 'run_python', 'run_shell', 'write_file']);
+    assert.deepEqual(res.tools.map((t) => t.name).sort(), ['cancel_job', 'delete_snapshot', 'fork_session', 'job_status', 'list_files', 'list_sessions', 'list_snapshots', 'read_file', 'reset_session', 'restore_session', 'run_python', 'run_shell', 'snapshot_session', 'write_file']);
     for (const t of res.tools) assert.equal(t.outputSchema, undefined);
   });
 
@@ -61,7 +61,7 @@ describe('inspector-cli', { skip }, () => {
 
     it('lists the tools over HTTP', async () => {
       const res = await inspector([...auth(), '--method', 'tools/list']);
-      assert.deepEqual(res.tools.map((t) => t.name).sort(), ['cancel_job', 'job_status', 'list_files', 'read_file', 'reset_session', 'run_python', 'run_shell', 'write_file']);
+      assert.deepEqual(res.tools.map((t) => t.name).sort(), ['cancel_job', 'delete_snapshot', 'fork_session', 'job_status', 'list_files', 'list_sessions', 'list_snapshots', 'read_file', 'reset_session', 'restore_session', 'run_python', 'run_shell', 'snapshot_session', 'write_file']);
       for (const t of res.tools) assert.equal(t.outputSchema, undefined);
     });
 

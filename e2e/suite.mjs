@@ -8,7 +8,7 @@ import { readFileSync, writeFileSync, rmSync } from 'node:fs';
 
 import { CANARY, call, text, ok, sessionOf, images, assertPNG, skip } from './helpers.mjs';
 
-const TOOLS = ['cancel_job', 'job_status', 'list_files', 'read_file', 'reset_session', 'run_python', 'run_shell', 'write_file'];
+const TOOLS = ['cancel_job', 'delete_snapshot', 'fork_session', 'job_status', 'list_files', 'list_sessions', 'list_snapshots', 'read_file', 'reset_session', 'restore_session', 'run_python', 'run_shell', 'snapshot_session', 'write_file'];
 
 // behaviourSuite registers the shared tests. connect returns
 // { client, close, secrets: [strings no sandbox may print] }.

@@ -36,7 +36,7 @@ describe('wasm backend over stdio', { skip: wasmSkip() }, () => {
   it('offers no run_shell, and says why', async () => {
     const { tools } = await kiln.client.listTools();
     const names = tools.map((t) => t.name).sort();
-    assert.deepEqual(names, ['cancel_job', 'job_status', 'list_files', 'read_file', 'reset_session', 'run_python', 'write_file']);
+    assert.deepEqual(names, ['cancel_job', 'delete_snapshot', 'fork_session', 'job_status', 'list_files', 'list_sessions', 'list_snapshots', 'read_file', 'reset_session', 'restore_session', 'run_python', 'snapshot_session', 'write_file']);
     const py = tools.find((t) => t.name === 'run_python');
     assert.match(py.description, /no run_shell tool/);
     assert.match(py.description, /standard library/);

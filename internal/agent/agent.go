@@ -72,6 +72,10 @@ type Agent struct {
 
 	smu    sync.Mutex
 	shells map[*exec.Cmd]struct{}
+
+	// The state archives (state.go), guarded by kmu.
+	savePath, loadPath string
+	loadSize           int64
 }
 
 // New returns an agent; call Serve.
@@ -217,6 +221,16 @@ func (a *Agent) handle(req *agentproto.Request) *agentproto.Response {
 		resp.Files, err = a.listFiles(req.Path)
 	case agentproto.OpChanges:
 		resp.Files, err = a.changes(time.Unix(0, req.Since))
+	case agentproto.OpSaveState:
+		resp.State, resp.Size, err = a.saveState()
+	case agentproto.OpReadState:
+		if resp.Data, resp.Size, err = a.readState(req.Offset, req.MaxBytes); err == nil {
+			resp.Offset = req.Offset
+		}
+	case agentproto.OpWriteState:
+		err = a.writeState(req.Offset, req.Data)
+	case agentproto.OpLoadState:
+		resp.State, err = a.loadState()
 	case agentproto.OpPing:
 	default:
 		err = fmt.Errorf("unknown operation %q", req.Op)

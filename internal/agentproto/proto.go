@@ -45,10 +45,10 @@ type Request struct {
 	Op        string `json:"op"`
 	Code      string `json:"code,omitempty"`       // OpPython source, OpShell command
 	Path      string `json:"path,omitempty"`       // file operations, relative to the workspace
-	Data      []byte `json:"data,omitempty"`       // OpWrite content
+	Data      []byte `json:"data,omitempty"`       // OpWrite content, OpWriteState chunk
 	MaxOutput int    `json:"max_output,omitempty"` // cap per stream, in bytes
 	MaxBytes  int64  `json:"max_bytes,omitempty"`  // OpRead cap
-	Offset    int64  `json:"offset,omitempty"`     // OpRead: the first byte to read
+	Offset    int64  `json:"offset,omitempty"`     // OpRead, OpReadState, OpWriteState: the first byte
 	Since     int64  `json:"since,omitempty"`      // OpChanges: unix nanoseconds
 	// Live asks the agent to send Output frames while an OpPython or
 	// OpShell request runs.
@@ -67,6 +67,8 @@ type Response struct {
 	// does not know ranged reads (and answered from 0) from one that does.
 	Offset int64      `json:"offset,omitempty"`
 	Files  []FileInfo `json:"files,omitempty"`
+	// State answers OpSaveState and OpLoadState.
+	State *StateInfo `json:"state,omitempty"`
 	// Output, when set, makes this frame a progress report of the running
 	// request ID rather than its answer: the request stays pending.
 	Output *Output `json:"output,omitempty"`

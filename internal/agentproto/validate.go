@@ -105,15 +105,18 @@ func (r *Response) Check(req *Request) error {
 		r.Error = msg
 	}
 	exec := req.Op == OpPython || req.Op == OpShell
-	read := req.Op == OpRead
+	read := req.Op == OpRead || req.Op == OpReadState
 	list := req.Op == OpList || req.Op == OpChanges
+	state := req.Op == OpSaveState || req.Op == OpLoadState
 	switch {
 	case r.Exec != nil && !exec:
 		return faultf("%s response carries an exec result", req.Op)
-	case len(r.Data) > 0 && !read, r.Size != 0 && !read, r.Offset != 0 && !read:
+	case len(r.Data) > 0 && !read, r.Size != 0 && !read && req.Op != OpSaveState, r.Offset != 0 && !read:
 		return faultf("%s response carries file data", req.Op)
 	case len(r.Files) > 0 && !list:
 		return faultf("%s response carries a file list", req.Op)
+	case r.State != nil && !state:
+		return faultf("%s response carries a state report", req.Op)
 	}
 	switch {
 	case exec:
@@ -137,6 +140,17 @@ func (r *Response) Check(req *Request) error {
 		if req.MaxBytes > 0 && int64(len(r.Data)) > req.MaxBytes {
 			return faultf("read response: %d bytes, %d asked", len(r.Data), req.MaxBytes)
 		}
+	case state:
+		if r.Error != "" {
+			return nil
+		}
+		if r.State == nil {
+			return faultf("%s response without a state report", req.Op)
+		}
+		if r.Size < 0 {
+			return faultf("%s response: size %d", req.Op, r.Size)
+		}
+		return r.State.check()
 	case list:
 		if len(r.Files) > MaxListEntries {
 			return faultf("%s response: %d entries, at most %d", req.Op, len(r.Files), MaxListEntries)
@@ -277,7 +291,9 @@ func (r *Request) MaxAnswer() int {
 			out = DefaultMaxOutput
 		}
 		return min(MaxFrame, 2*6*3*out+MaxRich+MaxDisplays*1024+2*6*MaxMessage+msg+slack)
-	case OpRead:
+	case OpSaveState, OpLoadState:
+		return min(MaxFrame, 2*MaxStateNames*(6*MaxStateEntry+8)+msg+slack)
+	case OpRead, OpReadState:
 		n := int64(MaxRead)
 		if r.MaxBytes > 0 {
 			n = min(n, r.MaxBytes)

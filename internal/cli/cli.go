@@ -118,6 +118,8 @@ type common struct {
 	bounds      bounds
 	resources   resourceFlags
 	jobs        jobFlags
+	hib         hibernateFlags
+	snapshots   snapshotFlags
 	preload     string
 	allowNet    string
 	egressHosts string
@@ -145,6 +147,8 @@ func (c *common) register(fs *flag.FlagSet) {
 	c.bounds.register(fs)
 	c.resources.register(fs)
 	c.jobs.register(fs)
+	c.hib.register(fs)
+	c.snapshots.register(fs)
 	fs.StringVar(&c.preload, "preload", "numpy,pandas,matplotlib", "Python modules imported before the first call (skipped when missing)")
 	fs.StringVar(&c.allowNet, "allow-net", "", "hosts sandboxes may reach over HTTP(S), comma-separated: host, *.domain, host:port (default: none, loopback only)")
 	fs.StringVar(&c.egressHosts, "egress-hosts", "", "hosts file (/etc/hosts format) the egress gateway resolves names with before DNS")
@@ -218,6 +222,10 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 	if err := c.resources.check(c.maxOutput); err != nil {
 		return nil, err
 	}
+	hib, err := c.hib.options(c.snapshots.stateDir)
+	if err != nil {
+		return nil, err
+	}
 	tpl, err := c.tpl.load(c.backend)
 	if err != nil {
 		return nil, err
@@ -258,6 +266,8 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		PoolSize:       c.poolSize,
 		PoolWorkers:    c.poolWorkers,
 		Jobs:           c.jobs.options(),
+		Hibernate:      hib,
+		Snapshots:      c.snapshots.options(),
 		Logger:         log,
 		Observer:       obs.observer(),
 	}))

@@ -95,6 +95,10 @@ const (
 	SessionSnapshot = "snapshot" // reserved: snapshots are not built yet
 	SessionRestore  = "restore"  // reserved
 	SessionClose    = "close"    // destroyed at shutdown
+	// SessionHibernate is a session saved to disk and its box destroyed
+	// (idle, or at shutdown); SessionResume one restored from disk.
+	SessionHibernate = "hibernate"
+	SessionResume    = "resume"
 )
 
 // Session is a change in a named session's life.

@@ -40,7 +40,7 @@ var (
 )
 
 // DefaultPackages are installed on top of debootstrap's minbase.
-var DefaultPackages = []string{"python3", "python3-numpy", "python3-pandas", "python3-matplotlib"}
+var DefaultPackages = []string{"python3", "python3-numpy", "python3-pandas", "python3-matplotlib", "python3-dill"}
 
 // DefaultModules are the kernel modules the initramfs loads, by name; their
 // dependencies are added and ordered from the modules' own metadata.

@@ -247,6 +247,200 @@ def _run_cell(code, ns):
     return result, error, interrupted
 
 
+# State-level snapshots. The agent asks for them with a "state" request
+# ({"op": "save"|"load", "path": archive, "workspace": dir}); the answer
+# is {"cell", "state": {"saved", "dropped"}} or {"cell", "state_error"}.
+# The archive is a tar made and read here, in the box: globals.json (the
+# order of the pickles, the modules to re-import), globals/N (one global,
+# pickled alone with dill, so one that cannot be pickled costs only
+# itself) and workspace/... (the workspace's directories and regular
+# files). The host moves its bytes and never decodes them.
+_MAX_STATE_NAMES = 2048  # agentproto.MaxStateNames
+_MAX_STATE_ENTRY = 500  # under agentproto.MaxStateEntry
+
+
+def _state_entry(s):
+    s = s.replace("\n", " ")
+    if len(s.encode("utf-8", "replace")) > _MAX_STATE_ENTRY:
+        s = s.encode("utf-8", "replace")[: _MAX_STATE_ENTRY - 4].decode("utf-8", "ignore") + " …"
+    return s
+
+
+def _state_list(entries):
+    entries = [_state_entry(e) for e in entries]
+    if len(entries) > _MAX_STATE_NAMES:
+        more = len(entries) - (_MAX_STATE_NAMES - 1)
+        entries = entries[: _MAX_STATE_NAMES - 1] + ["… and %d more" % more]
+    return entries
+
+
+def _state_skip(name, value):
+    # What the driver itself installs (and installs again in every box),
+    # and Python's own module attributes.
+    if name.startswith("__") and name.endswith("__"):
+        return True
+    if name in ("_", "__", "___"):
+        return True
+    return any(value is x for x in (display, _Image, _HTML, _Markdown))
+
+
+def _state_save(path, workspace):
+    import io
+    import stat
+    import tarfile
+    import types
+
+    import dill
+
+    ns = sys.modules["__main__"].__dict__
+    saved, dropped, order, modules = [], [], [], {}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
+
+        def add(name, data):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o600
+            tar.addfile(info, io.BytesIO(data))
+
+        for name, value in list(ns.items()):
+            if _state_skip(name, value):
+                continue
+            if isinstance(value, types.ModuleType):
+                modules[name] = value.__name__
+                saved.append(name)
+                continue
+            if isinstance(value, io.IOBase) and not isinstance(value, (io.BytesIO, io.StringIO)):
+                dropped.append("%s: open file handles are not saved (reopen the file after a restore)" % name)
+                continue
+            try:
+                data = dill.dumps(value, recurse=True)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # noqa: BLE001 - anything a __reduce__ raises
+                dropped.append("%s: %s" % (name, str(e) or type(e).__name__))
+                continue
+            add("globals/%d" % len(order), data)
+            order.append(name)
+            saved.append(name)
+        add("globals.json", json.dumps({"order": order, "modules": modules}).encode())
+        for root, dirs, files in os.walk(workspace):
+            dirs.sort()
+            for name in sorted(dirs) + sorted(files):
+                full = os.path.join(root, name)
+                rel = os.path.relpath(full, workspace)
+                try:
+                    st = os.lstat(full)
+                except OSError as e:
+                    dropped.append("file %s: %s" % (rel, e.strerror))
+                    continue
+                if stat.S_ISLNK(st.st_mode):
+                    dropped.append("file %s: symbolic links are not saved" % rel)
+                    continue
+                if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                    dropped.append("file %s: only regular files and directories are saved" % rel)
+                    continue
+                try:
+                    tar.add(full, arcname="workspace/" + rel, recursive=False)
+                except OSError as e:
+                    if e.errno == 28:  # ENOSPC: the archive itself
+                        raise
+                    dropped.append("file %s: %s" % (rel, e.strerror))
+                except Exception as e:  # noqa: BLE001 - a name tar cannot encode
+                    dropped.append("file %s: %s" % (rel, e))
+    return {"saved": _state_list(saved), "dropped": _state_list(dropped)}
+
+
+def _state_member(name):
+    """The workspace-relative path of a workspace/ member, or None."""
+    if not name.startswith("workspace/") or "\0" in name:
+        return None
+    rel = os.path.normpath(name[len("workspace/"):])
+    if rel in (".", "") or rel.startswith("/") or rel == ".." or rel.startswith("../"):
+        return None
+    return rel
+
+
+def _state_load(path, workspace):
+    import importlib
+    import tarfile
+
+    import dill
+
+    ns = sys.modules["__main__"].__dict__
+    loaded, dropped = [], []
+    with tarfile.open(path, mode="r:") as tar:
+        members = tar.getmembers()
+        meta, pickles = {"order": [], "modules": {}}, {}
+        for m in members:
+            if m.name == "globals.json" and m.isreg():
+                meta = json.loads(tar.extractfile(m).read())
+            elif m.name.startswith("globals/") and m.isreg():
+                pickles[m.name] = m
+        for m in members:
+            rel = _state_member(m.name)
+            if rel is None:
+                continue
+            dst = os.path.join(workspace, rel)
+            try:
+                if m.isdir():
+                    os.makedirs(dst, exist_ok=True)
+                elif m.isreg():
+                    os.makedirs(os.path.dirname(dst), exist_ok=True)
+                    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, (m.mode & 0o755) | 0o600)
+                    with os.fdopen(fd, "wb") as out, tar.extractfile(m) as src:
+                        while True:
+                            chunk = src.read(1 << 20)
+                            if not chunk:
+                                break
+                            out.write(chunk)
+                    os.utime(dst, (m.mtime, m.mtime))
+            except Exception as e:  # noqa: BLE001
+                dropped.append("file %s: %s" % (rel, getattr(e, "strerror", None) or e))
+        for name, module in dict(meta.get("modules", {})).items():
+            try:
+                ns[str(name)] = importlib.import_module(str(module))
+                loaded.append(str(name))
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # noqa: BLE001
+                dropped.append("%s: cannot import module %s: %s" % (name, module, e))
+        for i, name in enumerate(list(meta.get("order", []))):
+            m = pickles.get("globals/%d" % i)
+            if m is None:
+                dropped.append("%s: missing from the snapshot" % name)
+                continue
+            try:
+                ns[str(name)] = dill.loads(tar.extractfile(m).read())
+                loaded.append(str(name))
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # noqa: BLE001
+                dropped.append("%s: %s" % (name, str(e) or type(e).__name__))
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    return {"saved": _state_list(loaded), "dropped": _state_list(dropped)}
+
+
+def _state(req):
+    op, path, workspace = req.get("op"), str(req.get("path", "")), str(req.get("workspace", ""))
+    try:
+        if op == "save":
+            return {"state": _state_save(path, workspace)}
+        if op == "load":
+            return {"state": _state_load(path, workspace)}
+        return {"state_error": "unknown state operation"}
+    except ImportError as e:
+        return {"state_error": "cannot %s the kernel's state: %s (python3-dill is needed in the sandbox's runtime)" % (op, e)}
+    except OSError as e:
+        if e.errno == 28:  # ENOSPC
+            return {"state_error": "cannot %s the session's state: the sandbox's /tmp, where it is packed, has no room for it; delete large files or variables first" % op}
+        return {"state_error": "cannot %s the kernel's state: %s: %s" % (op, type(e).__name__, e)}
+    except BaseException as e:  # noqa: BLE001
+        return {"state_error": "cannot %s the kernel's state: %s: %s" % (op, type(e).__name__, e)}
+
+
 def _send(obj):
     _RES.write((json.dumps(obj) + "\n").encode())
 
@@ -298,8 +492,18 @@ def serve(preloaded):
             line, buf = buf.split(b"\n", 1)
             try:
                 req = json.loads(line)
+                if "state" in req:
+                    cell = req["cell"]
+                    answer = {}
+                    try:
+                        answer = _state(req["state"])
+                    except KeyboardInterrupt:
+                        answer = {"state_error": "interrupted"}
+                    answer["cell"] = cell
+                    _send(answer)
+                    continue
                 code, cell = req["code"], req["cell"]
-            except (ValueError, TypeError, KeyError):
+            except (ValueError, TypeError, KeyError, AttributeError):
                 continue
             _displays.clear()
             _rich_used = 0

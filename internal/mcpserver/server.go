@@ -150,6 +150,8 @@ func (s *Server) addTools() {
 		Description: "Throw away a session's sandbox: its variables, files and processes. A call still running in that session is cut off. The next call in that session starts a fresh sandbox.",
 		Annotations: &mcp.ToolAnnotations{DestructiveHint: &destructive, OpenWorldHint: boolPtr(false)},
 	}, guard(s, s.resetSession, func(a ResetSessionArgs) string { return a.Session }))
+	s.addSessionTools()
+	s.addSnapshotTools()
 }
 
 func boolPtr(b bool) *bool { return &b }

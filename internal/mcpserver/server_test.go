@@ -59,7 +59,7 @@ func TestToolsAndDescriptions(t *testing.T) {
 			}
 		}
 		slices.Sort(names)
-		want := []string{"cancel_job", "job_status", "list_files", "read_file", "reset_session", "run_python", "run_shell", "write_file"}
+		want := []string{"cancel_job", "delete_snapshot", "fork_session", "job_status", "list_files", "list_sessions", "list_snapshots", "read_file", "reset_session", "restore_session", "run_python", "run_shell", "snapshot_session", "write_file"}
 		if !slices.Equal(names, want) {
 			t.Errorf("tools %v, want %v", names, want)
 		}

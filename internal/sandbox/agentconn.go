@@ -42,6 +42,8 @@ type AgentConnOptions struct {
 	// exec. When it passes, the call fails and the box is destroyed.
 	RequestTimeout time.Duration
 	Logger         *slog.Logger
+	// Backend names the backend in the manifests of the box's snapshots.
+	Backend string
 }
 
 // AgentConn is the host-side client of kiln-agent's protocol. Backends that
@@ -57,6 +59,7 @@ type AgentConn struct {
 	stream  io.ReadWriteCloser
 	destroy func() error
 	hello   agentproto.Hello
+	backend string
 	timeout time.Duration
 	log     *slog.Logger
 
@@ -126,6 +129,7 @@ func DialAgent(ctx context.Context, id string, stream io.ReadWriteCloser, destro
 		id:      id,
 		stream:  stream,
 		destroy: destroy,
+		backend: o.Backend,
 		timeout: o.RequestTimeout,
 		log:     o.Logger.With("box", id),
 		pending: make(map[uint64]*pendingCall),
@@ -326,8 +330,12 @@ func (c *AgentConn) call(ctx context.Context, req agentproto.Request) (resp *age
 	if req.Op != agentproto.OpPython && req.Op != agentproto.OpShell {
 		// The deadline also covers the write: an agent that stopped
 		// reading blocks it, and destroying the box unblocks it.
-		t := time.AfterFunc(c.timeout, func() {
-			c.fail(fmt.Errorf("%w: no answer to a %s request within %s", ErrUnresponsive, req.Op, c.timeout))
+		timeout := c.timeout
+		if req.Op == agentproto.OpSaveState || req.Op == agentproto.OpLoadState {
+			timeout = max(timeout, StateTimeout) // pickling scales with the state
+		}
+		t := time.AfterFunc(timeout, func() {
+			c.fail(fmt.Errorf("%w: no answer to a %s request within %s", ErrUnresponsive, req.Op, timeout))
 		})
 		defer t.Stop()
 	}

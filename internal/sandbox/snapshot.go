@@ -32,6 +32,10 @@ const (
 // ManifestName is the manifest's file name in a snapshot directory.
 const ManifestName = "manifest.json"
 
+// StateArchive is the file name of a state-level snapshot's archive in its
+// directory: opaque bytes the box made, never decoded by the host.
+const StateArchive = "state.tar"
+
 // SnapshotInfo is a snapshot's manifest and what saving it measured.
 type SnapshotInfo struct {
 	Format  string        `json:"format"`  // FormatState, or a backend's own
@@ -39,6 +43,9 @@ type SnapshotInfo struct {
 	Created time.Time     `json:"created"`
 	Bytes   int64         `json:"bytes"` // on disk, every file of the snapshot
 	Took    time.Duration `json:"took"`  // how long saving took
+	// SHA256 is the hex digest of a state-level snapshot's archive
+	// (StateArchive): a restore refuses an archive that does not match.
+	SHA256 string `json:"sha256,omitempty"`
 	// Saved names the kernel globals that were saved (state level).
 	Saved []string `json:"saved,omitempty"`
 	// Dropped names what could not be saved and why, one entry each

@@ -12,11 +12,16 @@ import (
 var ErrNoBox = errors.New("the session has no sandbox right now; its files are gone")
 
 // Lookup returns the principal's live session called name, without
-// creating it.
+// creating it; a session hibernated on disk counts as existing.
 func (m *Manager) Lookup(principal, name string) (*Session, bool) {
 	m.mu.Lock()
-	defer m.mu.Unlock()
 	s, ok := m.sessions[key{principal, name}]
+	m.mu.Unlock()
+	if !ok && m.hasSaved(principal, name) {
+		if s, err := m.Get(principal, name); err == nil {
+			return s, true
+		}
+	}
 	return s, ok
 }
 
@@ -29,8 +34,14 @@ func (s *Session) WithLiveBox(ctx context.Context, f func(sandbox.Sandbox) error
 	}
 	defer s.release()
 	s.mu.Lock()
-	box := s.box
+	box, lost := s.box, s.lost != ""
 	s.mu.Unlock()
+	if box == nil && !lost && s.m.hib != nil { // hibernated: wake it
+		var err error
+		if box, _, err = s.fromSaved(ctx, ""); err != nil {
+			return err
+		}
+	}
 	if box == nil || !alive(box) {
 		return ErrNoBox
 	}

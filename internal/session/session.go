@@ -57,9 +57,14 @@ type Options struct {
 	Logger      *slog.Logger
 	// Jobs bounds background jobs (jobs.go).
 	Jobs JobOptions
+	// Snapshots configure fork, snapshot and rollback (snapshot.go).
+	Snapshots SnapshotOptions
 	// Observer is told of every execution, session change and box
 	// creation (the audit log, the metrics); nil: no one.
 	Observer event.Observer
+	// Hibernate saves idle sessions to disk instead of dropping them
+	// (hibernate.go); off without a Dir, and in per-call mode.
+	Hibernate HibernateOptions
 }
 
 // Defaults of Options; kiln's flags default to them too.
@@ -111,6 +116,10 @@ func (o *Options) defaults() {
 		o.MaxBoxes = DefaultMaxBoxes(o.Limits)
 	}
 	o.Jobs.defaults()
+	if o.Hibernate.Dir != "" {
+		o.Hibernate.defaults()
+	}
+	o.Snapshots.defaults()
 }
 
 // Errors a client can act on.
@@ -180,6 +189,8 @@ type Manager struct {
 	// destroying counts per-call boxes being destroyed after their call.
 	destroying sync.WaitGroup
 	jobs       jobTable // background jobs (jobs.go)
+	snaps      snapStore
+	hib        *hibernator // nil: sessions are not saved (hibernate.go)
 }
 
 // NewManager starts the pool and the idle reaper.
@@ -197,6 +208,13 @@ func NewManager(opts Options) *Manager {
 	m.pool = newPool(opts.Backend, spec, PoolOptions{Size: opts.PoolSize, Concurrency: opts.PoolWorkers, Logger: opts.Logger, Observer: opts.Observer}, m.slots)
 	m.warnOvercommit()
 	m.jobs.init()
+	if opts.Hibernate.Dir != "" && opts.Mode == ModeSession {
+		h, err := newHibernator(opts.Hibernate, opts.Limits, opts.Logger)
+		if err != nil {
+			m.log.Error("sessions will not be hibernated", "err", err)
+		}
+		m.hib = h
+	}
 	m.wg.Add(1)
 	go m.reap()
 	return m
@@ -216,7 +234,7 @@ func (m *Manager) Timeout(seconds float64) time.Duration {
 
 func (m *Manager) reap() {
 	defer m.wg.Done()
-	t := time.NewTicker(min(m.opts.IdleTTL/4, time.Minute))
+	t := time.NewTicker(m.reapEvery())
 	defer t.Stop()
 	for {
 		select {
@@ -224,16 +242,23 @@ func (m *Manager) reap() {
 			return
 		case <-t.C:
 		}
+		if m.hib != nil {
+			m.hibernateIdle()
+		}
 		m.mu.Lock()
 		var idle []*Session
 		for k, s := range m.sessions {
-			if s.idleSince(m.opts.IdleTTL) {
+			if s.idleSince(m.opts.IdleTTL) && s.expirable() {
 				delete(m.sessions, k)
 				idle = append(idle, s)
 			}
 		}
 		m.mu.Unlock()
 		for _, s := range idle {
+			if s.wasHibernated() { // its state is on disk; only the name is forgotten here
+				s.close()
+				continue
+			}
 			m.log.Info("session expired", "session", s.name, "principal", s.principal)
 			m.observeSession(event.SessionExpire, s)
 			s.close()
@@ -264,17 +289,8 @@ func (m *Manager) Get(principal, name string) (*Session, error) {
 	if s, ok := m.sessions[k]; ok {
 		return s, nil
 	}
-	if len(m.sessions) >= m.opts.MaxSessions {
-		return nil, &QuotaError{Limit: m.opts.MaxSessions, Flag: "max-sessions"}
-	}
-	owned := 0
-	for k := range m.sessions {
-		if k.principal == principal {
-			owned++
-		}
-	}
-	if owned >= m.opts.MaxSessionsPerPrincipal {
-		return nil, &QuotaError{Limit: m.opts.MaxSessionsPerPrincipal, Principal: true, Flag: "max-sessions-per-principal"}
+	if err := m.quotaFor(principal, nil); err != nil {
+		return nil, err
 	}
 	s := newSession(m, principal, name)
 	m.sessions[k] = s
@@ -308,7 +324,8 @@ func (m *Manager) Reset(principal, name string) bool {
 		m.observeSession(event.SessionReset, s)
 		s.close()
 	}
-	return ok
+	saved := m.forgetSaved(principal, name)
+	return ok || saved
 }
 
 // Sessions lists the principal's session names.
@@ -346,6 +363,9 @@ func (m *Manager) Close() {
 	m.jobs.cancelAll() // jobs end as their boxes are destroyed below
 	close(m.stop)
 	m.wg.Wait()
+	if m.hib != nil {
+		m.hibernateAll(all)
+	}
 	var wg sync.WaitGroup
 	for _, s := range all {
 		m.observeSession(event.SessionClose, s)
@@ -356,6 +376,7 @@ func (m *Manager) Close() {
 	m.pool.Close()
 	m.destroying.Wait()
 	m.jobs.wait()
+	m.closeSnapshots()
 }
 
 // Outcome is what one call produced, with what kiln did about it.
@@ -389,7 +410,7 @@ type Session struct {
 	// and the running one is cut off by destroying its box.
 	closing chan struct{}
 
-	mu       sync.Mutex // guards box, closed, lastUsed, lost, hits; never held across a call
+	mu       sync.Mutex // guards box, closed, lastUsed, lost, hits, hib; never held across a call
 	box      sandbox.Sandbox
 	lastUsed time.Time
 	closed   bool
@@ -402,6 +423,7 @@ type Session struct {
 	// job is the background job running in the box; while it runs, the
 	// session's other calls are refused (jobs.go).
 	job *Job
+	hib hibState // its state saved on disk (hibernate.go)
 }
 
 func newSession(m *Manager, principal, name string) *Session {
@@ -511,11 +533,21 @@ func (s *Session) ensure(ctx context.Context) (box sandbox.Sandbox, fresh bool, 
 	case lost != "":
 		note = lost + "; " + msgNewBox + ": " + s.m.survived(true, true)
 	}
+	// A live box another replica holds is the session's newest state;
+	// a hibernated one comes next.
 	if box = s.m.adopt(ctx, s); box != nil {
-		note, fresh = "", false
-	} else if box, err = s.m.getBox(ctx); err == nil {
-		s.m.bind(ctx, s, box)
-		fresh = true
+		note = ""
+	} else {
+		if s.m.hib != nil {
+			var saved sandbox.Sandbox
+			if saved, note, err = s.fromSaved(ctx, note); err != nil || saved != nil {
+				return saved, false, note, err
+			}
+		}
+		if box, err = s.m.getBox(ctx); err == nil {
+			s.m.bind(ctx, s, box)
+			fresh = true
+		}
 	}
 	if err != nil {
 		if errors.Is(err, ErrBusy) {
@@ -593,6 +625,7 @@ func (s *Session) WithBox(ctx context.Context, f func(sandbox.Sandbox) error) er
 		return ErrReset
 	}
 	s.after(box, err)
+	s.touched()
 	return err
 }
 
@@ -603,6 +636,7 @@ func (s *Session) WithBox(ctx context.Context, f func(sandbox.Sandbox) error) er
 // and note the outcome carries, and the box dropped if the call lost it.
 func (s *Session) settle(box sandbox.Sandbox, out *Outcome, err error, fresh bool, note string) {
 	s.after(box, err)
+	s.touched()
 	if out == nil {
 		return
 	}

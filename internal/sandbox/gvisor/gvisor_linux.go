@@ -259,6 +259,12 @@ type gvBox struct {
 
 var _ sandbox.LimitReporter = (*gvBox)(nil)
 
+// A gVisor box saves and loads state-level snapshots through its agent.
+var (
+	_ sandbox.Snapshotter = (*gvBox)(nil)
+	_ sandbox.StateLoader = (*gvBox)(nil)
+)
+
 // LimitHits counts the OOM kills of the box's host cgroup: gVisor has no
 // OOM killer of its own, so a box over its limit dies whole. runsc removes
 // the cgroup as the box dies, mostly before the host reads the count: the

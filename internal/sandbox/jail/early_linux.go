@@ -19,6 +19,11 @@ import (
 // errWarming: the template an urgent box would fork from is not ready.
 var errWarming = errors.New("jail zygote still warming")
 
+// earlyBoxes says whether urgent boxes may skip a warming template: not
+// with a configured template (Options.Template), whose imports the tool
+// description promises are done before a box is handed out.
+func (b *Backend) earlyBoxes() bool { return b.opts.Template == "" }
+
 // early turns spec into an early box's: started directly, no preloads.
 func (b *Backend) early(spec *sandbox.Spec) {
 	b.log.Debug("the zygote template is warming: starting an early box directly, without preloads", "id", spec.ID, "preload", spec.Preload)

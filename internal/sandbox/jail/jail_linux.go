@@ -436,6 +436,12 @@ type jailBox struct {
 	egress *egress.Attachment // nil without network
 }
 
+// A jail box saves and loads state-level snapshots through its agent.
+var (
+	_ sandbox.Snapshotter = (*jailBox)(nil)
+	_ sandbox.StateLoader = (*jailBox)(nil)
+)
+
 // NetworkRefusals says which connections the egress policy refused since
 // the last call, in words for the model.
 func (j *jailBox) NetworkRefusals() []string {

@@ -300,7 +300,7 @@ func (b *Backend) forkBox(ctx context.Context, spec *sandbox.Spec) (sandbox.Sand
 	if b.zy == nil {
 		return nil, nil
 	}
-	t, err := b.zy.get(ctx, spec.Preload, spec.Urgent)
+	t, err := b.zy.get(ctx, spec.Preload, spec.Urgent && b.earlyBoxes())
 	if errors.Is(err, errWarming) {
 		b.early(spec)
 		return nil, nil

@@ -208,7 +208,13 @@ type countingConn struct {
 	b *Backend
 }
 
-var _ sandbox.LimitReporter = (*countingConn)(nil)
+var (
+	_ sandbox.LimitReporter = (*countingConn)(nil)
+	// State-level snapshots work here too, through the real agent (the
+	// host's python3 needs dill).
+	_ sandbox.Snapshotter = (*countingConn)(nil)
+	_ sandbox.StateLoader = (*countingConn)(nil)
+)
 
 func (c *countingConn) LimitHits() sandbox.LimitHits {
 	return sandbox.LimitHits{OOMKills: c.b.oomKills.Load(), PidsRefused: c.b.pidsRefused.Load()}
