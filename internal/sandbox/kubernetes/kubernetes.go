@@ -123,6 +123,7 @@ type Backend struct {
 var (
 	_ sandbox.Backend = (*Backend)(nil)
 	_ sandbox.Checker = (*Backend)(nil)
+	_ sandbox.Noter   = (*Backend)(nil)
 )
 
 // leaseDuration is the default of Options.LeaseDuration; a Lease is
@@ -162,6 +163,9 @@ func New(ctx context.Context, o Options) (*Backend, error) {
 		return nil, err
 	}
 	b.lease = lease
+	for _, n := range b.Notes() {
+		b.log.Warn(n)
+	}
 	b.sweep(ctx)
 	b.wg.Add(1)
 	go b.keep()
@@ -596,4 +600,17 @@ func (b *Backend) abandon() {
 	b.mu.Unlock()
 	close(b.stop)
 	b.wg.Wait()
+}
+
+// Notes are the backend's known gaps, for kiln doctor and the log at start:
+// on the test cluster (runc, bridge CNI) the hostile battery fails five
+// cases (README, "On Kubernetes").
+func (b *Backend) Notes() []string {
+	notes := []string{
+		"the kubernetes backend is new: boxes run as one non-root uid (code can signal its own agent; per-user kernel counts are shared between boxes), a Pod has no pids limit unless the kubelet sets podPidsLimit, memory-backed volumes have no inode cap, and the NetworkPolicy holds only where the cluster's CNI enforces it",
+	}
+	if b.opts.RuntimeClass == "" {
+		notes = append(notes, "no --k8s-runtime-class: boxes run under the cluster's default runtime (runc), whose boundary is the host kernel's; use gvisor where the nodes have it")
+	}
+	return notes
 }
