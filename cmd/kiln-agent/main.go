@@ -24,6 +24,7 @@ func main() {
 		guest     = flag.Bool("guest", false, "prepare a microVM guest (mounts, serial port) as PID 1")
 		zygote    = flag.Bool("zygote", false, "become a jail zygote's python template (control socket on fd 3)")
 		adopt     = flag.Int("adopt-kernel", 0, "use the kernel with this pid, forked by a jail zygote, whose pipes are on fds 3-9")
+		await     = flag.Bool("await-host", false, "read one byte from the stream before saying hello (a host that attaches after the start, as on Kubernetes)")
 		verbose   = flag.Bool("v", false, "debug logging on stderr")
 	)
 	flag.Parse()
@@ -49,5 +50,6 @@ func main() {
 		Guest:       *guest,
 		Zygote:      *zygote,
 		AdoptKernel: *adopt,
+		AwaitHost:   *await,
 	}))
 }

@@ -61,6 +61,10 @@ type Agent struct {
 
 	wmu sync.Mutex
 	w   io.Writer
+	// epoch counts the host's attaches (ServeAttached); a frame of a
+	// request read in an older one is not sent. Guarded by wmu.
+	epoch    uint64
+	reqEpoch sync.Map // *agentproto.Request → the epoch it was read in
 
 	kmu    sync.Mutex // held while a cell runs; cells are serialized
 	kref   sync.Mutex // guards kernel
@@ -96,6 +100,22 @@ func New(cfg Config) *Agent {
 // closes.
 func (a *Agent) Serve(r io.Reader, w io.Writer) error {
 	a.w = w
+	hello := a.start()
+	if err := a.send(hello); err != nil {
+		return fmt.Errorf("sending hello: %w", err)
+	}
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	err := a.serveFrames(r, &wg)
+	a.shutdown()
+	if errors.Is(err, io.EOF) {
+		return nil
+	}
+	return err
+}
+
+// start prepares the box and its kernel and returns the hello to send.
+func (a *Agent) start() *agentproto.Hello {
 	// As the code's user: the agent holds no capability over files.
 	a.asCode(func() error { makeHome(a.cfg); return nil })
 	hello := agentproto.Hello{Version: ProtocolVersion}
@@ -118,26 +138,30 @@ func (a *Agent) Serve(r io.Reader, w io.Writer) error {
 			hello.Preloaded = k.hello.Preloaded
 		}
 	}
-	if err := a.send(&hello); err != nil {
-		return fmt.Errorf("sending hello: %w", err)
-	}
-	var wg sync.WaitGroup
-	defer wg.Wait()
+	return &hello
+}
+
+// serveFrames answers the requests on r until it ends, with the error that
+// ended it (io.EOF at a frame boundary).
+func (a *Agent) serveFrames(r io.Reader, wg *sync.WaitGroup) error {
 	for {
 		var req agentproto.Request
 		if err := agentproto.ReadFrame(r, &req); err != nil {
-			a.shutdown()
 			if errors.Is(err, io.EOF) {
-				return nil
+				return io.EOF
 			}
 			return fmt.Errorf("reading request: %w", err)
 		}
+		a.wmu.Lock()
+		a.reqEpoch.Store(&req, a.epoch)
+		a.wmu.Unlock()
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			defer a.reqEpoch.Delete(&req)
 			resp := a.handle(&req)
 			resp.ID = req.ID
-			if err := a.send(resp); err != nil {
+			if err := a.sendFor(&req, resp); err != nil {
 				a.log.Warn("sending response", "err", err)
 			}
 		}()
@@ -147,6 +171,21 @@ func (a *Agent) Serve(r io.Reader, w io.Writer) error {
 func (a *Agent) send(v any) error {
 	a.wmu.Lock()
 	defer a.wmu.Unlock()
+	return a.sendLocked(v)
+}
+
+// sendFor sends a frame answering req, unless req was read before the
+// host's latest attach: that host never asked for it.
+func (a *Agent) sendFor(req *agentproto.Request, v any) error {
+	a.wmu.Lock()
+	defer a.wmu.Unlock()
+	if e, ok := a.reqEpoch.Load(req); ok && e.(uint64) != a.epoch {
+		return nil
+	}
+	return a.sendLocked(v)
+}
+
+func (a *Agent) sendLocked(v any) error {
 	err := agentproto.WriteFrame(a.w, v)
 	if errors.Is(err, agentproto.ErrFrameTooLarge) {
 		if resp, ok := v.(*agentproto.Response); ok {
@@ -245,7 +284,7 @@ func (a *Agent) streamLive(req *agentproto.Request) (live *liveTail, stop func()
 				return
 			case <-t.C:
 				if out, ok := live.take(); ok {
-					if err := a.send(&agentproto.Response{ID: req.ID, Output: &out}); err != nil {
+					if err := a.sendFor(req, &agentproto.Response{ID: req.ID, Output: &out}); err != nil {
 						a.log.Warn("sending output", "err", err)
 					}
 				}

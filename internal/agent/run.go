@@ -20,6 +20,12 @@ type Mode struct {
 	// AdoptKernel, if positive, is the pid of the kernel a jail zygote
 	// forked for this box, whose pipes are on fds 3-9.
 	AdoptKernel int
+	// AwaitHost serves hosts that attach to the agent's stdin after the
+	// box started, one after another (Kubernetes): the agent says hello
+	// when a host's agentproto.AttachMarker arrives, not before (an attach
+	// does not replay what was written before it), and again for each
+	// later host (Agent.ServeAttached).
+	AwaitHost bool
 }
 
 // Run is kiln-agent after its flags are parsed: it takes the role m and
@@ -81,7 +87,11 @@ func Run(m Mode) int {
 	if m.Guest {
 		cfg.Cgroup = guestinit.CodeCgroup // the guest's memory and pids limits for code
 	}
-	if err := New(cfg).Serve(r, w); err != nil {
+	serve := New(cfg).Serve
+	if m.AwaitHost {
+		serve = New(cfg).ServeAttached
+	}
+	if err := serve(r, w); err != nil {
 		fmt.Fprintln(os.Stderr, "kiln-agent:", err)
 		return 1
 	}

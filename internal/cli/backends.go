@@ -14,6 +14,7 @@ import (
 	"kiln/internal/sandbox"
 	"kiln/internal/sandbox/gvisor"
 	"kiln/internal/sandbox/jail"
+	"kiln/internal/sandbox/kubernetes"
 	"kiln/internal/sandbox/microvm"
 	"kiln/internal/sandbox/wasm"
 )
@@ -125,6 +126,19 @@ var registry = []backendEntry{
 					return nil, errors.New("--allow-net is not supported on the wasm backend (its boxes have no network at all)")
 				}
 				return wasm.New(c.Apply(wasm.Options{Logger: env.log}))
+			}
+		},
+	},
+	{
+		name: "kubernetes",
+		flags: func(fs *flag.FlagSet) backendFactory {
+			var c kubernetes.Config
+			c.RegisterFlags(fs)
+			return func(ctx context.Context, env backendEnv) (sandbox.Backend, error) {
+				if !env.net.policy.Empty() {
+					return nil, errors.New("--allow-net is not supported on the kubernetes backend (its boxes get a default-deny NetworkPolicy)")
+				}
+				return kubernetes.New(ctx, c.Apply(kubernetes.Options{Logger: env.log}))
 			}
 		},
 	},

@@ -36,6 +36,8 @@ Usage:
   kiln config print [serve|mcp|run|doctor] [flags]
                                    the effective configuration file (TOML), and where each value came from
   kiln image build [--force]       build the microVM guest image (Debian packages, cached)
+  kiln image build --oci REF       build the kubernetes backend's box image and push it to REF
+  kiln k8s seccomp-profile         print kiln's seccomp profile for the kubelet (kubernetes backend)
   kiln wasm install                install the pinned Deno and Pyodide (wasm backend; needs npm)
   kiln template create NAME --setup FILE | list | rm NAME
                                    configured templates: files an operator's setup made, in every box (--template)
@@ -70,6 +72,8 @@ func Main(args []string, stdout, stderr io.Writer) int {
 		err = runConfig(rest, stdout, stderr)
 	case "image":
 		err = runImage(rest, stdout, stderr)
+	case "k8s":
+		err = runK8s(rest, stdout)
 	case "wasm":
 		err = runWasm(rest, stdout, stderr)
 	case "template":

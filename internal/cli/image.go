@@ -11,13 +11,15 @@ import (
 
 func runImage(args []string, stdout, stderr io.Writer) error {
 	if len(args) == 0 || args[0] != "build" {
-		return errors.New("usage: kiln image build [--force] [--agent PATH] [--firecracker-kernel]")
+		return errors.New("usage: kiln image build [--force] [--agent PATH] [--firecracker-kernel] [--oci REF [--insecure]]")
 	}
 	fs := flag.NewFlagSet("kiln image build", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	force := fs.Bool("force", false, "rebuild even when an image with the same inputs is cached")
 	agent := fs.String("agent", "", "static kiln-agent to install as the guest's init (default: next to kiln)")
 	fcKernel := fs.Bool("firecracker-kernel", false, "also build a vmlinux for Firecracker from Debian's linux-source (slow: many minutes)")
+	oci := fs.String("oci", "", "build the kubernetes backend's box image instead (the same Debian root and agent, as an OCI image) and push it to this reference, e.g. registry.example:5000/kiln/box:1")
+	insecure := fs.Bool("insecure", false, "with --oci: the registry speaks plain HTTP")
 	verbose := fs.Bool("v", false, "debug logging")
 	if err := fs.Parse(args[1:]); err != nil {
 		return err
@@ -26,6 +28,14 @@ func runImage(args []string, stdout, stderr io.Writer) error {
 	log := c.logger(stderr)
 	ctx, cancel := signalContext()
 	defer cancel()
+	if *oci != "" {
+		ref, err := image.BuildOCI(ctx, image.Options{Agent: *agent, Force: *force, Logger: log}, image.OCIOptions{Ref: *oci, Insecure: *insecure})
+		if err != nil {
+			return fmt.Errorf("building the box image: %w", err)
+		}
+		fmt.Fprintln(stdout, ref)
+		return nil
+	}
 	im, err := image.Build(ctx, image.Options{Agent: *agent, Force: *force, Logger: log})
 	if err != nil {
 		return fmt.Errorf("building the guest image: %w", err)

@@ -533,13 +533,22 @@ func (s *Session) ensure(ctx context.Context) (box sandbox.Sandbox, fresh bool, 
 	case lost != "":
 		note = lost + "; " + msgNewBox + ": " + s.m.survived(true, true)
 	}
-	if s.m.hib != nil {
-		var saved sandbox.Sandbox
-		if saved, note, err = s.fromSaved(ctx, note); err != nil || saved != nil {
-			return saved, false, note, err
+	// A live box another replica holds is the session's newest state;
+	// a hibernated one comes next.
+	if box = s.m.adopt(ctx, s); box != nil {
+		note = ""
+	} else {
+		if s.m.hib != nil {
+			var saved sandbox.Sandbox
+			if saved, note, err = s.fromSaved(ctx, note); err != nil || saved != nil {
+				return saved, false, note, err
+			}
+		}
+		if box, err = s.m.getBox(ctx); err == nil {
+			s.m.bind(ctx, s, box)
+			fresh = true
 		}
 	}
-	box, err = s.m.getBox(ctx)
 	if err != nil {
 		if errors.Is(err, ErrBusy) {
 			return nil, false, note, err
@@ -554,7 +563,7 @@ func (s *Session) ensure(ctx context.Context) (box sandbox.Sandbox, fresh bool, 
 	}
 	s.box = box
 	s.mu.Unlock()
-	return box, true, note, nil
+	return box, fresh, note, nil
 }
 
 // RunPython runs a cell in the session's kernel.

@@ -1,0 +1,126 @@
+package kubernetes
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	goruntime "runtime"
+	"testing"
+
+	authv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
+	netv1 "k8s.io/api/networking/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"kiln/internal/sandbox"
+)
+
+// manifest reads contrib/kubernetes/name as typed objects.
+func manifest(t *testing.T, name string) []runtime.Object {
+	t.Helper()
+	_, file, _, _ := goruntime.Caller(0)
+	b, err := os.ReadFile(filepath.Join(filepath.Dir(file), "..", "..", "..", "contrib", "kubernetes", name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []runtime.Object
+	r := utilyaml.NewYAMLReader(bufioReader(b))
+	for {
+		doc, err := r.Read()
+		if err != nil {
+			break
+		}
+		if len(bytes.TrimSpace(doc)) == 0 {
+			continue
+		}
+		obj, _, err := scheme.Codecs.UniversalDeserializer().Decode(doc, nil, nil)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		out = append(out, obj)
+	}
+	return out
+}
+
+// TestManifestsParse reads every manifest of contrib/kubernetes as the API's
+// own types: a field the API does not know fails here, not at apply time.
+func TestManifestsParse(t *testing.T) {
+	for _, n := range []string{"namespace.yaml", "rbac.yaml", "runtimeclass.yaml", "networkpolicy.yaml", "deployment.yaml"} {
+		if objs := manifest(t, n); len(objs) == 0 {
+			t.Errorf("%s: no object", n)
+		}
+	}
+	// The NetworkPolicy kiln applies is the one in the manifests.
+	for _, o := range manifest(t, "networkpolicy.yaml") {
+		np := o.(*netv1.NetworkPolicy)
+		want := DenyAll(np.Namespace)
+		if np.Name != want.Name || !equalJSON(t, np.Spec, want.Spec) {
+			t.Errorf("networkpolicy.yaml differs from DenyAll: %+v", np.Spec)
+		}
+	}
+}
+
+// TestRBACSuffices applies rbac.yaml in a fresh namespace and runs boxes
+// with the ServiceAccount's own token: the Role grants all the backend
+// needs (Pods, attach, Leases, NetworkPolicy).
+func TestRBACSuffices(t *testing.T) {
+	c := needCluster(t)
+	ns := c.namespace(t)
+	ctx := context.Background()
+	cs := c.cs
+	for _, o := range manifest(t, "rbac.yaml") {
+		var err error
+		switch o := o.(type) {
+		case *corev1.ServiceAccount:
+			o.Namespace = ns
+			_, err = cs.CoreV1().ServiceAccounts(ns).Create(ctx, o, metav1.CreateOptions{})
+		case *rbacv1.Role:
+			o.Namespace = ns
+			_, err = cs.RbacV1().Roles(ns).Create(ctx, o, metav1.CreateOptions{})
+		case *rbacv1.RoleBinding:
+			o.Namespace = ns
+			for i := range o.Subjects {
+				o.Subjects[i].Namespace = ns
+			}
+			_, err = cs.RbacV1().RoleBindings(ns).Create(ctx, o, metav1.CreateOptions{})
+		default:
+			t.Fatalf("unexpected %T in rbac.yaml", o)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	tok, err := cs.CoreV1().ServiceAccounts(ns).CreateToken(ctx, "kiln", &authv1.TokenRequest{}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	admin, err := clientcmd.BuildConfigFromFlags("", os.Getenv("KUBECONFIG"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := rest.AnonymousClientConfig(admin)
+	cfg.BearerToken = tok.Status.Token
+	scs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := c.backend(t, ns, Options{Client: scs, Config: cfg})
+	box, err := b.Create(ctx, sandbox.Spec{ID: "rbac"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sandbox.Probe(ctx, box); err != nil {
+		t.Error(err)
+	}
+	if err := box.Close(); err != nil {
+		t.Error(err)
+	}
+}
