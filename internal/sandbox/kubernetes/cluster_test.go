@@ -43,7 +43,7 @@ var (
 	clusterErr  error
 )
 
-func needCluster(t *testing.T) *cluster {
+func needCluster(t testing.TB) *cluster {
 	t.Helper()
 	if os.Getenv("KILN_TEST_K8S") != "1" {
 		t.Skip("needs a Kubernetes cluster: set KILN_TEST_K8S=1 and the variables of `contrib/k8s/cluster/cluster.sh env` (make k8s-cluster)")
@@ -96,7 +96,7 @@ func setUpCluster(agent string) (*cluster, error) {
 }
 
 // namespace makes a namespace for one test and deletes it afterwards.
-func (c *cluster) namespace(t *testing.T) string {
+func (c *cluster) namespace(t testing.TB) string {
 	t.Helper()
 	ns := "kiln-test-" + randomSuffix()
 	_, err := c.cs.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{})
@@ -109,7 +109,7 @@ func (c *cluster) namespace(t *testing.T) string {
 	return ns
 }
 
-func (c *cluster) backend(t *testing.T, ns string, o Options) *Backend {
+func (c *cluster) backend(t testing.TB, ns string, o Options) *Backend {
 	t.Helper()
 	o.Kubeconfig = os.Getenv("KUBECONFIG")
 	o.Namespace = ns

@@ -90,6 +90,14 @@ type Options struct {
 	// UID and GID of the box's only user (agent and code). Default 1000;
 	// root is refused.
 	UID, GID int64
+	// WarmPool is how many box Pods this replica keeps running ahead of
+	// demand, of the spec Warm names; any replica may take them (see
+	// pool.go). 0: no pool (the --k8s-warm-pool flag's default is
+	// DefaultWarmPool).
+	WarmPool int
+	// PoolMaxAge is how long a pool Pod waits to be taken before it is
+	// replaced. Default 30 minutes.
+	PoolMaxAge time.Duration
 	// Logger receives lifecycle events. Default: discard.
 	Logger *slog.Logger
 
@@ -111,6 +119,7 @@ type Backend struct {
 	cfg   *rest.Config
 	log   *slog.Logger
 	lease *coordv1.Lease
+	pool  *warmPool
 
 	mu     sync.Mutex
 	live   map[string]*sandbox.AgentConn // by box ID
@@ -152,7 +161,8 @@ func New(ctx context.Context, o Options) (*Backend, error) {
 		}
 	}
 	b := &Backend{opts: o, cs: cs, cfg: cfg, log: o.Logger.With("backend", "kubernetes", "replica", o.Replica),
-		live: map[string]*sandbox.AgentConn{}, pods: map[string]string{}, stop: make(chan struct{})}
+		live: map[string]*sandbox.AgentConn{}, pods: map[string]string{}, stop: make(chan struct{}),
+		pool: newWarmPool(o.WarmPool)}
 	if !o.NoNetworkPolicy {
 		if err := ensureNetworkPolicy(ctx, cs, o.Namespace); err != nil {
 			return nil, err
@@ -169,6 +179,10 @@ func New(ctx context.Context, o Options) (*Backend, error) {
 	b.sweep(ctx)
 	b.wg.Add(1)
 	go b.keep()
+	if o.WarmPool > 0 {
+		b.wg.Add(1)
+		go b.keepPool()
+	}
 	return b, nil
 }
 
@@ -207,6 +221,12 @@ func (o Options) withDefaults() (Options, error) {
 	}
 	if o.TTL < 0 {
 		return o, errors.New("kubernetes: the TTL must not be negative")
+	}
+	if o.WarmPool < 0 {
+		return o, errors.New("kubernetes: the warm pool's size must not be negative")
+	}
+	if o.PoolMaxAge <= 0 {
+		o.PoolMaxAge = 30 * time.Minute
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
@@ -253,8 +273,10 @@ func randomSuffix() string {
 // Name is the --backend value.
 func (b *Backend) Name() string { return "kubernetes" }
 
-// Create makes a box's Pod, waits for it to run, attaches to its agent and
-// waits for the agent's hello. On any failure the Pod is deleted.
+// Create takes a ready Pod of the box's shape from the warm pool, or else
+// makes the box's Pod and waits for it to run; then it attaches to its
+// agent and waits for the agent's hello. On any failure the Pod is
+// deleted.
 func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbox, error) {
 	b.mu.Lock()
 	closed := b.closed
@@ -262,23 +284,9 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 	if closed {
 		return nil, sandbox.ErrClosed
 	}
-	c := podConfig{
-		Name:           podName(spec.ID, randomSuffix()),
-		Namespace:      b.opts.Namespace,
-		BoxID:          spec.ID,
-		Image:          b.opts.Image,
-		PullPolicy:     b.opts.PullPolicy,
-		RuntimeClass:   b.opts.RuntimeClass,
-		SeccompProfile: b.opts.SeccompProfile,
-		Limits:         spec.Limits.WithDefaults(),
-		Preload:        spec.Preload,
-		Replica:        b.opts.Replica,
-		Owner:          leaseOwner(b.lease),
-		UID:            b.opts.UID,
-		GID:            b.opts.GID,
-	}
-	if b.opts.TTL > 0 {
-		c.Expires = time.Now().Add(b.opts.TTL)
+	c := b.podConfig(spec)
+	if box, ok := b.createFromPool(ctx, c); ok {
+		return box, nil
 	}
 	start := time.Now()
 	pod, err := b.cs.CoreV1().Pods(c.Namespace).Create(ctx, buildPod(c), metav1.CreateOptions{})
@@ -488,6 +496,7 @@ func (b *Backend) Close() error {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
+	b.drainPool(ctx)
 	errs = append(errs, dropLease(ctx, b.cs, b.lease))
 	return errors.Join(errs...)
 }

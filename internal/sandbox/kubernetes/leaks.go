@@ -10,7 +10,8 @@ import (
 
 // Leftovers lists this replica's box Pods that are not live boxes of it:
 // after every box is closed, there should be none (sandboxtest's leak
-// check). A Pod being deleted counts until it is gone.
+// check). A Pod being deleted counts until it is gone; the warm pool's
+// untaken Pods count only once the backend is closed.
 func (b *Backend) Leftovers() []string {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -20,6 +21,7 @@ func (b *Backend) Leftovers() []string {
 		return []string{"listing boxes: " + err.Error()}
 	}
 	b.mu.Lock()
+	closed := b.closed
 	live := map[string]bool{}
 	for id := range b.live {
 		live[id] = true
@@ -27,6 +29,9 @@ func (b *Backend) Leftovers() []string {
 	b.mu.Unlock()
 	var out []string
 	for _, p := range pods.Items {
+		if !closed && isPoolPod(&p) {
+			continue
+		}
 		if !live[p.Annotations[AnnotationBoxID]] {
 			out = append(out, "pod "+p.Namespace+"/"+p.Name+" ("+string(p.Status.Phase)+")")
 		}
