@@ -56,6 +56,9 @@ const DefaultWarmPool = 2
 // asked (a take or a Pod's end asks sooner).
 const poolCheckEvery = 5 * time.Second
 
+// maxPoolBackoff bounds the wait between pool Pods while they fail.
+const maxPoolBackoff = 2 * time.Minute
+
 // takeMargin: a pool Pod that expires sooner than this is not taken, so
 // that its replica's deletion cannot meet a box just handed out.
 const takeMargin = time.Minute
@@ -68,10 +71,15 @@ const poolPrefix = "pool-"
 type warmPool struct {
 	size int
 	kick chan struct{}
+	// backoff delays new Pods after one failed or never ran (an image
+	// that does not pull), until a Pod runs again; notBefore is when the
+	// next may be made. Only the keeper goroutine uses them.
+	backoff   time.Duration
+	notBefore time.Time
 
 	mu    sync.Mutex
-	shape string     // "" until Warm names the spec
-	cfg   podConfig  // the shape's Pod, less what each Pod has of its own
+	shape string        // "" until Warm names the spec
+	cfg   podConfig     // the shape's Pod, less what each Pod has of its own
 	ready chan struct{} // closed and replaced when the pool gains a ready Pod
 }
 
@@ -368,6 +376,10 @@ func (b *Backend) refill(ctx context.Context) {
 		if why != "" {
 			b.log.Info("replacing a warm pool Pod", "pod", pod.Name, "why", why)
 			b.deleteUnchanged(ctx, pod)
+			if failed != nil || !started {
+				p.backoff = min(max(2*p.backoff, poolCheckEvery), maxPoolBackoff)
+				p.notBefore = now.Add(p.backoff)
+			}
 			continue
 		}
 		have++
@@ -376,10 +388,14 @@ func (b *Backend) refill(ctx context.Context) {
 		}
 	}
 	if ready > 0 {
+		p.backoff = 0
 		p.mu.Lock()
 		close(p.ready)
 		p.ready = make(chan struct{})
 		p.mu.Unlock()
+	}
+	if now.Before(p.notBefore) {
+		return
 	}
 	for ; have < p.size && ctx.Err() == nil; have++ {
 		c := cfg
