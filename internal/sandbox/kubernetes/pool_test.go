@@ -2,6 +2,8 @@ package kubernetes
 
 import (
 	"context"
+	"fmt"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -12,6 +14,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/sandboxtest"
 )
 
 // The warm pool on a real cluster.
@@ -302,5 +305,77 @@ func BenchmarkCreate(b *testing.B) {
 				b.StartTimer()
 			}
 		})
+	}
+}
+
+// TestPerCallTakesFromPool: a per-call server (no in-process pool) takes
+// every call's box from the warm pool and deletes it after the call: every
+// Pod the namespace sees is a pool Pod, and each call's is gone after it.
+func TestPerCallTakesFromPool(t *testing.T) {
+	c := needCluster(t)
+	ns := c.namespace(t)
+	ctx := context.Background()
+	w, err := c.cs.CoreV1().Pods(ns).Watch(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Stop()
+	args := []string{"--backend=kubernetes", "--mode=per-call", "--pool=0", "--k8s-warm-pool=2",
+		"--k8s-image=" + c.image, "--k8s-namespace=" + ns, "--k8s-kubeconfig=" + os.Getenv("KUBECONFIG"), "--k8s-replica=pc"}
+	if c.seccomp != "" {
+		args = append(args, "--k8s-seccomp-profile="+c.seccomp)
+	}
+	srv := sandboxtest.StartStdio(t, args...)
+	srv.Initialize(t)
+	ready := func() int {
+		l, err := c.cs.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: poolSelector("", "")})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(takeable(l.Items, time.Now()))
+	}
+	const calls = 3
+	for i := range calls {
+		deadline := time.Now().Add(2 * time.Minute)
+		for ready() == 0 {
+			if time.Now().After(deadline) {
+				t.Fatalf("no pool Pod ready before call %d", i)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		srv.Send(t, fmt.Sprintf(`{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"name":"run_python","arguments":{"code":"print(6*7)"}}}`, i))
+		m := srv.Await(t, fmt.Sprint(i), 5*time.Minute)
+		if m.Error != nil || !strings.Contains(string(m.Result), "42") {
+			t.Fatalf("call %d: %s %+v\nstderr:\n%s", i, m.Result, m.Error, srv.Stderr)
+		}
+	}
+	added, deleted := map[string]bool{}, map[string]bool{}
+	deadline := time.After(2 * time.Minute)
+	for len(deleted) < calls {
+		select {
+		case ev := <-w.ResultChan():
+			p, ok := ev.Object.(*corev1.Pod)
+			if !ok {
+				continue
+			}
+			switch ev.Type {
+			case "ADDED":
+				added[p.Name] = true
+			case "DELETED":
+				deleted[p.Name] = true
+			}
+		case <-deadline:
+			t.Fatalf("after %d calls, %d Pods deleted: %v", calls, len(deleted), deleted)
+		}
+	}
+	for name := range added {
+		if !strings.HasPrefix(name, "kiln-"+poolPrefix) {
+			t.Errorf("Pod %s was made for a call, not taken from the pool", name)
+		}
+	}
+	for name := range deleted {
+		if !added[name] {
+			t.Errorf("deleted Pod %s was never seen made", name)
+		}
 	}
 }
