@@ -219,10 +219,11 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 		r.rep.CPUAccounting = g.covers()
 		defer g.close()
 	}
-	steps := []struct {
-		key string
-		fn  func(context.Context) error
-	}{
+	if opts.Backend == "kubernetes" {
+		// A box's processes are the kubelet's, not the server's children.
+		r.opts.Skip = append(r.opts.Skip, "pss")
+	}
+	steps := []step{
 		{"spawn", r.spawn},
 		{"pipe", r.pipe},
 		{"coldstart", r.coldStart},
@@ -232,6 +233,7 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 		{"hardening", r.hardening},
 		{"pss", r.memory},
 	}
+	steps = append(steps, r.kubernetesSteps()...)
 	var errs []error
 	for _, s := range steps {
 		if r.skipped(s.key) {
@@ -247,6 +249,7 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 	}
 	r.rep.Elapsed = time.Since(r.rep.Started)
 	r.rep.LoadAverage = append(r.rep.LoadAverage, loadAverage())
+	r.pairJail()
 	r.ratios()
 	r.targets()
 	if len(errs) > 0 && len(errs) == len(r.rep.Measurements) {
@@ -357,9 +360,15 @@ type server struct {
 }
 
 func (r *runner) startServer(ctx context.Context, mode string, pool int) (*server, error) {
+	return r.startServerWith(ctx, mode, pool)
+}
+
+// startServerWith is startServer with extra flags after the run's own.
+func (r *runner) startServerWith(ctx context.Context, mode string, pool int, extra ...string) (*server, error) {
 	args := []string{"mcp", "--backend", r.opts.Backend, "--mode", mode,
 		"--pool", fmt.Sprint(pool), "--pool-workers", fmt.Sprint(r.opts.PoolWorkers)}
 	args = append(args, r.opts.ServerArgs...)
+	args = append(args, extra...)
 	cmd := exec.Command(r.opts.Kiln, args...)
 	cmd.Env = append(os.Environ(), r.opts.ServerEnv...)
 	cmd.Stderr = &logWriter{log: r.log}
