@@ -26,7 +26,10 @@ baseline of equal length), for the jail the cost of each hardening measure
 (seccomp, Landlock, cgroups, zygote rotation; the first three only in a
 kiln built with "make bench-kiln"), and the PSS of idle sandboxes. Then it
 checks the targets of issue 18, relative ones against this run's
-baselines. Every kiln figure goes through a real MCP client talking to
+baselines. With --backend kubernetes it also measures a per-call run on a
+warm-pool hit and miss, the CPU per box and per session call of the
+control plane (kube-apiserver, etcd, kubelet, containerd, shims; from
+/proc, net of an idle baseline), and a local jail server alongside. Every kiln figure goes through a real MCP client talking to
 "kiln mcp" over stdio. Flags after "--" are passed to every "kiln mcp".
 
 `
