@@ -310,6 +310,7 @@ func (b *Backend) createFromPool(ctx context.Context, c podConfig) (box sandbox.
 	}
 	b.pool.wake()
 	log := b.log.With("pod", pod.Name, "box", c.BoxID)
+	log.Debug("took a warm pool Pod", "took", time.Since(start).Round(time.Millisecond))
 	conn, err := b.connect(ctx, pod, c.BoxID, log)
 	if err != nil {
 		log.Warn("a warm pool Pod did not answer; making a box instead", "err", err)
