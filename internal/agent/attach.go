@@ -12,7 +12,7 @@ import (
 
 // ServeAttached serves hosts that attach to the agent's stream one after
 // another (Kubernetes): each attach begins with agentproto.AttachMarker.
-// The agent starts its kernel and says hello at the first marker, and says
+// The agent starts its kernel at once, says hello at the first marker, and
 // hello again at each later one; what the earlier host left half-written
 // is dropped, and answers to its requests (including live output of a call
 // still running) are not sent. The kernel, its variables and the files
@@ -22,10 +22,14 @@ func (a *Agent) ServeAttached(r io.Reader, w io.Writer) error {
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	defer a.shutdown()
+	// The kernel starts and preloads now, not when the first host
+	// attaches: a Pod waiting in a warm pool is ready when it is taken.
+	started := make(chan *agentproto.Hello, 1)
+	go func() { started <- a.start() }()
 	var hello *agentproto.Hello
 	for host := range splitAttaches(r) {
 		if hello == nil {
-			hello = a.start()
+			hello = <-started
 		}
 		a.wmu.Lock()
 		a.epoch++
@@ -40,6 +44,9 @@ func (a *Agent) ServeAttached(r io.Reader, w io.Writer) error {
 		// A frame that did not decode leaves the rest of this host's
 		// stream unread until the next attach.
 		io.Copy(io.Discard, host)
+	}
+	if hello == nil {
+		<-started // so that shutdown stops the kernel it started
 	}
 	return nil
 }

@@ -103,9 +103,10 @@ func (p *warmPool) current() (string, podConfig) {
 // shapeOf hashes what a box's Pod spec holds of its box spec and of the
 // replica's options: two Pods of one shape are interchangeable until one
 // is taken. What each Pod has of its own (name, box ID, replica, owner,
-// TTL) is left out.
+// TTL, and the uid its code runs as where each box draws one) is left out.
 func shapeOf(c podConfig) string {
 	c.Name, c.BoxID, c.Replica, c.Owner, c.Expires = "", "", "", nil, time.Time{}
+	c.UID, c.GID = 0, 0
 	pod := buildPod(c)
 	b, err := json.Marshal(struct {
 		Spec corev1.PodSpec

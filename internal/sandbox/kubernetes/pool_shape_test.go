@@ -17,9 +17,10 @@ func TestShape(t *testing.T) {
 		Owner: &metav1.OwnerReference{Name: "kiln-replica-r1", UID: "u1"}}
 	own := base
 	own.Name, own.BoxID, own.Replica, own.Expires = "kiln-b-2", "b", "r2", time.Now()
+	own.UID, own.GID = 2000, 2000
 	own.Owner = &metav1.OwnerReference{Name: "kiln-replica-r2", UID: "u2"}
 	if shapeOf(own) != shapeOf(base) {
-		t.Error("name, box ID, replica, owner or TTL changed the shape")
+		t.Error("name, box ID, replica, owner, TTL or uid changed the shape")
 	}
 	for name, edit := range map[string]func(*podConfig){
 		"image":         func(c *podConfig) { c.Image = "reg/kiln/box:2" },
@@ -28,7 +29,6 @@ func TestShape(t *testing.T) {
 		"cpus":          func(c *podConfig) { c.Limits.CPUs = 2 },
 		"runtime class": func(c *podConfig) { c.RuntimeClass = "gvisor" },
 		"seccomp":       func(c *podConfig) { c.SeccompProfile = "kiln/box.json" },
-		"uid":           func(c *podConfig) { c.UID = 2000 },
 	} {
 		c := base
 		c.Limits = base.Limits
