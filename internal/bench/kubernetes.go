@@ -146,7 +146,8 @@ func (r *runner) boxAndCallCPU(ctx context.Context) error {
 		net := ms(comps.total()-time.Duration(float64(idleComps.total())*scale)) / float64(n)
 		r.add(Measurement{Key: "cp-" + strings.TrimPrefix(key, "cpu-"), Name: name + ", control plane, net of idle",
 			Unit: "ms CPU", N: n, P50: net, P99: net,
-			Note: "from /proc, per component: " + comps.describe(n, idleComps, idle.Elapsed, span.Elapsed) +
+			Note: "from /proc, per component, net of idle: " + comps.describe(n, idleComps, idle.Elapsed, span.Elapsed) +
+				"; gross: " + comps.describe(n, nil, 0, 0) +
 				fmt.Sprintf("; idle: %s ms over %s", num(ms(idleComps.total())), idle.Elapsed.Round(time.Millisecond))})
 	}
 
