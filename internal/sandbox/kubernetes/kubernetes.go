@@ -498,7 +498,9 @@ func (b *Backend) keep() {
 	every := b.opts.LeaseDuration / 3
 	renew := time.NewTicker(every)
 	defer renew.Stop()
-	sweep := time.NewTicker(sweepEvery)
+	// A short Lease (seconds) is swept as often, so that a dead replica's
+	// boxes go soon after it is taken for dead.
+	sweep := time.NewTicker(min(sweepEvery, b.opts.LeaseDuration))
 	defer sweep.Stop()
 	for {
 		select {
