@@ -6,7 +6,7 @@ BIN     := bin
 APT_RUNTIME := python3 python3-numpy python3-pandas python3-matplotlib python3-dill
 APT_TEST    := iproute2 nftables curl qemu-system-x86 debootstrap e2fsprogs systemd
 
-.PHONY: all build run serve demo test test-go test-e2e conformance deps deps-runtime deps-test runsc wasm lint race fuzz k8s-cluster k8s-down k8s-test clean
+.PHONY: all build run serve demo test test-go test-e2e conformance deps deps-runtime deps-test runsc wasm lint race fuzz k8s-cluster k8s-down k8s-test k8s-e2e clean
 
 all: build
 
@@ -113,6 +113,11 @@ k8s-down:
 
 k8s-test: k8s-cluster
 	cd contrib/k8s/cluster/tools && env $$(../cluster.sh env) KILN_K8S_SMOKE=1 $(GO) test -count=1 -v ./smoke
+
+# k8s-e2e: e2e/kubernetes.test.mjs alone on the cluster (a real MCP client
+# through two kiln serve replicas); `make test` runs it with KILN_TEST_K8S=1.
+k8s-e2e: build k8s-cluster
+	cd e2e && env $$(../$(K8S_CLUSTER) env) KILN_TEST_K8S=1 KILN_BIN=$(CURDIR)/$(BIN)/kiln node --test --test-concurrency=1 kubernetes.test.mjs
 
 clean:
 	rm -rf $(BIN)
