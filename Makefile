@@ -102,8 +102,9 @@ wasm: build
 # tests (issue 17): contrib/k8s/cluster/cluster.sh builds its binaries
 # once into ~/.cache/kiln/k8s, starts it and prints the kubeconfig path;
 # `cluster.sh env` prints KUBECONFIG and the registry for tests.
-# k8s-test pushes an image to its registry and runs, execs into and
-# deletes a Pod. Needs root, containerd and runc (apt-get).
+# k8s-test checks that `down` cleans what a dead cluster leaves (in
+# namespaces of its own), pushes an image to its registry and runs, execs
+# into and deletes a Pod. Needs root, containerd and runc (apt-get).
 K8S_CLUSTER := contrib/k8s/cluster/cluster.sh
 k8s-cluster:
 	@$(K8S_CLUSTER) up
@@ -112,6 +113,7 @@ k8s-down:
 	@$(K8S_CLUSTER) down
 
 k8s-test: k8s-cluster
+	contrib/k8s/cluster/down_test.sh
 	cd contrib/k8s/cluster/tools && env $$(../cluster.sh env) KILN_K8S_SMOKE=1 $(GO) test -count=1 -v ./smoke
 
 # k8s-e2e: e2e/kubernetes.test.mjs alone on the cluster (a real MCP client

@@ -110,11 +110,16 @@ start_proc() { # name cmd...
 	echo $! >"$DIR/pids/$name.pid"
 }
 
-alive() { # pidfile → the pid if the process still runs this binary
+# alive: pidfile → the pid, if that process still runs and is ours (its
+# command line names the run dir): after a reboot or a crash a pidfile may
+# name a pid the kernel gave to an unrelated process, which must not be
+# taken for a live cluster nor killed.
+alive() {
 	local f=$1 pid
 	[ -f "$f" ] || return 1
 	pid=$(cat "$f")
 	[ -n "$pid" ] && [ -d "/proc/$pid" ] || return 1
+	{ tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null | grep -qF -- "$DIR/" || return 1
 	echo "$pid"
 }
 
@@ -148,6 +153,18 @@ leftover_pids() {
 	for p in /sys/fs/cgroup/pids/kubepods /sys/fs/cgroup/kubepods; do
 		[ -d "$p" ] && find "$p" -name cgroup.procs -exec cat {} + 2>/dev/null
 	done
+	# The cluster's own processes that no pidfile names any more (a run
+	# dir removed under a live cluster, a crash while starting): one of
+	# its binaries with the run dir on its command line.
+	local cmd
+	for p in /proc/[0-9]*; do
+		cmd=$({ tr '\0' ' ' <"$p/cmdline"; } 2>/dev/null) || continue
+		case "${cmd%% *}" in
+		*/etcd | */kube-apiserver | */kube-controller-manager | */kube-scheduler | */kubelet | */registry | containerd | */containerd) ;;
+		*) continue ;;
+		esac
+		case "$cmd" in *" $DIR/"* | *"=$DIR/"*) echo "${p#/proc/}" ;; esac
+	done
 	return 0
 }
 
@@ -162,9 +179,10 @@ wait_for() { # what seconds cmd...
 
 # ---- down ----
 
+# down also runs without a run dir: what a dead cluster left outside it
+# (processes, netns, the bridge, cgroups) goes all the same.
 down() {
-	[ -d "$DIR" ] || return 0
-	local ns c pid m
+	local ns c pid m i left pids
 	stop_procs kubelet kube-scheduler kube-controller-manager kube-apiserver etcd
 	# Containers: kill every task containerd runs for us, then containerd.
 	if alive "$DIR/pids/containerd.pid" >/dev/null && [ -S "$CTRD_SOCK" ]; then
@@ -175,7 +193,16 @@ down() {
 		done
 	fi
 	stop_procs containerd registry
-	for pid in $(leftover_pids); do kill -KILL "$pid" 2>/dev/null || true; done
+	# Then the rest, and wait for it to be gone (its mounts, ports, cgroups).
+	pids=$(leftover_pids | sort -u)
+	for pid in $pids; do kill -KILL "$pid" 2>/dev/null || true; done
+	for i in $(seq 50); do
+		left=""
+		for pid in $pids; do [ -d "/proc/$pid" ] && left="$left $pid"; done
+		[ -z "$left" ] && break
+		sleep 0.1
+	done
+	[ -z "$left" ] || log "processes still there after SIGKILL:$left"
 	# Mounts under the run dir (overlay rootfs, kubelet volumes), deepest first.
 	for m in $(awk -v d="$DIR/" 'index($5, d) == 1 {print $5}' /proc/self/mountinfo | sort -r); do
 		umount -l "$m" 2>/dev/null || true
@@ -188,10 +215,18 @@ down() {
 		done
 	fi
 	ip link delete "$BRIDGE" 2>/dev/null || true
-	# The kubelet's cgroups (cgroupfs driver: /kubepods in each hierarchy).
-	for c in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/kubepods /sys/fs/cgroup/*/kubepods.slice; do
-		[ -d "$c" ] && find "$c" -depth -type d -exec rmdir {} + 2>/dev/null || true
+	# The kubelet's cgroups (cgroupfs driver: /kubepods in each hierarchy);
+	# a cgroup whose last task is still exiting refuses rmdir for a moment.
+	for i in 1 2 3 4 5; do
+		left=""
+		for c in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/kubepods /sys/fs/cgroup/*/kubepods.slice; do
+			[ -d "$c" ] || continue
+			find "$c" -depth -type d -exec rmdir {} + 2>/dev/null || left="$left $c"
+		done
+		[ -z "$left" ] && break
+		sleep 1
 	done
+	[ -z "$left" ] || log "cgroups left:$left"
 	rm -rf "$DIR"
 }
 
@@ -201,9 +236,12 @@ down() {
 # by (exec, attach, logs). The node IP is left to the kubelet: it refuses
 # a loopback one and then publishes no address at all.
 status() {
-	[ -f "$DIR/admin.kubeconfig" ] && alive "$DIR/pids/kube-apiserver.pid" >/dev/null &&
-		alive "$DIR/pids/kubelet.pid" >/dev/null &&
-		"$KUBE_BIN/kubectl" --kubeconfig "$DIR/admin.kubeconfig" get node "$NODE" \
+	local n
+	[ -f "$DIR/admin.kubeconfig" ] || return 1
+	for n in registry etcd containerd kube-apiserver kube-controller-manager kube-scheduler kubelet; do
+		alive "$DIR/pids/$n.pid" >/dev/null || return 1
+	done
+	"$KUBE_BIN/kubectl" --kubeconfig "$DIR/admin.kubeconfig" get node "$NODE" \
 			-o jsonpath='{.status.conditions[?(@.type=="Ready")].status} {.status.addresses[?(@.type=="Hostname")].address}' \
 			2>/dev/null | grep -qx "True $NODE"
 }
@@ -402,8 +440,14 @@ up() {
 		echo "$DIR/admin.kubeconfig"
 		return 0
 	fi
-	# Anything left of an earlier run (crashed or half up) goes first.
+	# Anything left of an earlier run (crashed or half up) goes first;
+	# a port still taken then is another program's, named here.
 	down
+	local port who
+	for port in "$API_PORT" "$ETCD_PORT" "$ETCD_PEER_PORT" "$REG_PORT" 10248 10250 10257 10259; do
+		who=$(ss -Hltnp "sport = :$port" 2>/dev/null) || continue
+		[ -z "$who" ] || die "port $port is taken (KILN_K8S_*_PORT choose others; 10248-10259 are the kubelet's, controller-manager's and scheduler's): $who"
+	done
 	mkdir -p "$DIR/logs" "$DIR/pids" "$DIR/etcd" "$DIR/registry"
 	local t0 kc=$DIR/admin.kubeconfig k
 	t0=$(date +%s%N)
