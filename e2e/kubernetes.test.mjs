@@ -9,11 +9,13 @@
 // leaves no Pod behind.
 //
 // The namespace, ServiceAccount, Role, RoleBinding and NetworkPolicy are
-// contrib/kubernetes/*.yaml applied into a fresh namespace, the replicas
-// run with the ServiceAccount's token and with the Deployment's own
-// arguments (contrib/kubernetes/deployment.yaml, read back from a
-// server-side dry run), and the box image is built and pushed by `kiln
-// image build --oci` to the cluster's registry.
+// contrib/kubernetes/*.yaml applied into a fresh namespace (the
+// RuntimeClass, the Deployment and its Service as a server-side dry run:
+// this cluster runs no kube-proxy, so a kiln Pod could not reach the API
+// through its Service IP), the replicas run on the node with the
+// ServiceAccount's token and with the Deployment's own arguments, and the
+// box image is built and pushed by `kiln image build --oci` to the
+// cluster's registry.
 //
 // Runs with KILN_TEST_K8S=1 and the variables of `contrib/k8s/cluster/
 // cluster.sh env` (KUBECONFIG, KILN_K8S_KUBECTL, KILN_K8S_REGISTRY,
@@ -151,11 +153,14 @@ describe('kubernetes: a session through two kiln replicas on the test cluster', 
     // nothing to say about it. Its kiln arguments are what the replicas
     // run with.
     const dep = manifest('deployment.yaml', ns).replace(/KILN_BOX_IMAGE/g, image).replace(/KILN_IMAGE/g, `${process.env.KILN_K8S_REGISTRY || 'localhost:5000'}/kiln/kiln:e2e`);
+    await kubectl(['apply', '--dry-run=server', '-f', path.join(MANIFESTS, 'runtimeclass.yaml')]);
     const dry = await kubectl(['apply', '--dry-run=server', '-o', 'json', '-f', '-'], { input: dep });
     assert.doesNotMatch(dry.stderr, /PodSecurity|[Ww]arning/, `the Deployment draws warnings:\n${dry.stderr}`);
     const objs = JSON.parse(dry.stdout);
     const deployment = (objs.kind === 'List' ? objs.items : [objs]).find((o) => o.kind === 'Deployment');
     assert.ok(deployment, `no Deployment in the dry run: ${dry.stdout.slice(0, 300)}`);
+    const service = (objs.kind === 'List' ? objs.items : [objs]).find((o) => o.kind === 'Service');
+    assert.equal(service?.spec.sessionAffinity, 'ClientIP', 'the Service does not keep a client on one replica');
     const ctr = deployment.spec.template.spec.containers.find((c) => c.name === 'kiln');
     assert.ok(ctr.env.some((e) => e.name === 'KILN_TOKEN'), 'the Deployment passes no KILN_TOKEN');
     assert.equal(ctr.args[0], 'serve');

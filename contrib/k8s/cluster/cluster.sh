@@ -418,11 +418,13 @@ cap_sys_resource() {
 }
 
 # RuntimeClasses for the handlers containerd has: runc always, gvisor
-# when runsc's shim was built.
+# when runsc's shim was built (the operator's manifest,
+# contrib/kubernetes/runtimeclass.yaml).
 runtimeclasses() {
 	printf 'apiVersion: node.k8s.io/v1\nkind: RuntimeClass\nmetadata: {name: runc}\nhandler: runc\n'
 	if have_gvisor; then
-		printf -- '---\napiVersion: node.k8s.io/v1\nkind: RuntimeClass\nmetadata: {name: gvisor}\nhandler: runsc\n'
+		printf -- '---\n'
+		cat "$HERE/../../kubernetes/runtimeclass.yaml"
 	fi
 }
 
