@@ -24,7 +24,7 @@
 import { describe, it, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
-import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, readFileSync, renameSync, rmSync, writeFileSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -138,8 +138,12 @@ describe('kubernetes: a session through two kiln replicas on the test cluster', 
     const seccompDir = process.env.KILN_K8S_SECCOMP_DIR;
     if (seccompDir) {
       const { stdout } = await run(KILN, ['k8s', 'seccomp-profile']);
-      mkdirSync(path.join(seccompDir, 'kiln'), { recursive: true });
-      writeFileSync(path.join(seccompDir, 'kiln', 'box.json'), stdout);
+      // Written aside and renamed: the kubelet may be reading it for
+      // another test's Pod.
+      const p = path.join(seccompDir, 'kiln', 'box.json');
+      mkdirSync(path.dirname(p), { recursive: true });
+      writeFileSync(`${p}.${process.pid}`, stdout);
+      renameSync(`${p}.${process.pid}`, p);
     }
 
     // The operator's manifests, in a namespace of this test's own.
