@@ -70,7 +70,8 @@ func TestManifestsParse(t *testing.T) {
 
 // TestRBACSuffices applies rbac.yaml in a fresh namespace and runs boxes
 // with the ServiceAccount's own token: the Role grants all the backend
-// needs (Pods, attach, Leases, NetworkPolicy).
+// needs (Pods, attach, Leases, NetworkPolicy, and a session's Pod bound and
+// adopted by another replica).
 func TestRBACSuffices(t *testing.T) {
 	c := needCluster(t)
 	ns := c.namespace(t)
@@ -120,7 +121,22 @@ func TestRBACSuffices(t *testing.T) {
 	if err := sandbox.Probe(ctx, box); err != nil {
 		t.Error(err)
 	}
-	if err := box.Close(); err != nil {
+	// A session's box is labelled with it, and another replica moves it
+	// to itself: both update the Pod.
+	if err := b.Bind(ctx, box, "rbac\x00session"); err != nil {
+		t.Fatal(err)
+	}
+	other := c.backend(t, ns, Options{Client: scs, Config: cfg})
+	adopted, err := other.Adopt(ctx, "rbac\x00session")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sandbox.Probe(ctx, adopted); err != nil {
 		t.Error(err)
+	}
+	for _, b := range []sandbox.Sandbox{adopted, box} {
+		if err := b.Close(); err != nil {
+			t.Error(err)
+		}
 	}
 }
