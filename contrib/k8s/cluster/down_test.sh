@@ -33,9 +33,11 @@ mount -t tmpfs volume "$dir/kubelet/pods/p/volumes/v"
 cp "$(command -v tail)" "$bin/etcd"
 "$bin/etcd" -f "$dir/logs/etcd.log" &
 stray=$!
+disown "$stray"
 # An unrelated process that got the pid a stale pidfile names.
 sleep 1000 &
 other=$!
+disown "$other"
 echo "$other" >"$dir/pids/kube-apiserver.pid"
 
 KILN_K8S_DIR=$dir KILN_K8S_GVISOR=0 "$script" down
@@ -58,6 +60,7 @@ kill -KILL "$other" "$stray" 2>/dev/null || true
 # The run dir removed under a live cluster: its processes go all the same.
 "$bin/etcd" -F "$dir/logs/etcd.log" 2>/dev/null &
 stray=$!
+disown "$stray"
 KILN_K8S_DIR=$dir KILN_K8S_GVISOR=0 "$script" down
 check "without a run dir, the stray cluster process is killed" "gone $stray"
 kill -KILL "$stray" 2>/dev/null || true
