@@ -1,12 +1,15 @@
 // kiln on Kubernetes through a real client: two `kiln serve` replicas on
 // the test cluster (make k8s-cluster), each with its own --k8s-replica, one
-// namespace, one principal. Through the first, a session draws a
-// matplotlib chart (a real image/png block) and keeps a variable and a
-// file; the first replica is killed with SIGKILL; through the second the
-// same session goes on in the same Pod, with its state, over the SDK's
-// sessionful transport and over the stateless 2026-07-28 wire; the dead
-// replica's Lease and Pods are collected; the second replica's SIGTERM
-// leaves no Pod behind.
+// namespace, one principal, behind one URL (a load balancer in this test
+// that sends a client to the first live replica, as a Service with ClientIP
+// affinity does). Through the first, a session draws a matplotlib chart (a
+// real image/png block) and keeps a variable and a file; the first replica
+// is killed with SIGKILL; the client's transport session dies with it
+// (404), and after a new initialize, through the second replica, the same
+// session goes on in the same Pod with its state, over the SDK's sessionful
+// transport and over the stateless 2026-07-28 wire; the dead replica's
+// Lease and Pods are collected; the second replica's SIGTERM leaves no Pod
+// behind.
 //
 // The namespace, ServiceAccount, Role, RoleBinding and NetworkPolicy are
 // contrib/kubernetes/*.yaml applied into a fresh namespace (the
@@ -24,6 +27,7 @@
 import { describe, it, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
+import http from 'node:http';
 import { mkdirSync, mkdtempSync, readFileSync, renameSync, rmSync, writeFileSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
@@ -95,6 +99,44 @@ async function pods(ns, selector) {
   return JSON.parse(stdout).items;
 }
 
+// front is the load balancer in front of the replicas, as a Service with
+// ClientIP affinity behaves for one client: every request goes to the
+// first replica that takes the connection (a dead one refuses it and the
+// next is tried). Request bodies are small MCP messages, held to be sent
+// again; answers, SSE streams included, are piped through.
+async function front(ports) {
+  const srv = http.createServer(async (req, res) => {
+    const chunks = [];
+    for await (const c of req) chunks.push(c);
+    const body = Buffer.concat(chunks);
+    const tryAt = (i) => {
+      const all = ports();
+      if (i >= all.length) {
+        res.writeHead(502).end('no replica answers');
+        return;
+      }
+      const up = http.request({ host: '127.0.0.1', port: all[i], method: req.method, path: req.url, headers: req.headers }, (r) => {
+        res.writeHead(r.statusCode, r.headers);
+        r.pipe(res);
+      });
+      up.on('error', (e) => {
+        if (e.code === 'ECONNREFUSED' && !res.headersSent) tryAt(i + 1);
+        else res.destroy();
+      });
+      up.end(body);
+    };
+    tryAt(0);
+  });
+  await new Promise((resolve) => srv.listen(0, '127.0.0.1', resolve));
+  return {
+    url: `http://127.0.0.1:${srv.address().port}/mcp`,
+    close() {
+      srv.closeAllConnections();
+      return new Promise((resolve) => srv.close(resolve));
+    },
+  };
+}
+
 async function waitFor(what, secs, fn) {
   const deadline = Date.now() + secs * 1000;
   let last;
@@ -118,6 +160,7 @@ describe('kubernetes: a session through two kiln replicas on the test cluster', 
   let c2;
   let session; // the name the first result gave
   let sessionPod;
+  let lb; // the load balancer the client talks to
 
   before(async () => {
     assert.ok(process.env.KUBECONFIG, 'KILN_TEST_K8S=1 but KUBECONFIG is not set (contrib/k8s/cluster/cluster.sh env)');
@@ -204,6 +247,7 @@ describe('kubernetes: a session through two kiln replicas on the test cluster', 
   after(async () => {
     await c1?.close().catch(() => {});
     await c2?.close().catch(() => {});
+    await lb?.close();
     one?.proc.kill('SIGKILL');
     await two?.stop();
     await kubectl(['delete', 'namespace', ns, '--wait=false']).catch(() => {});
@@ -214,7 +258,8 @@ describe('kubernetes: a session through two kiln replicas on the test cluster', 
 
   it('runs a chart through the first replica, in a Pod bound to the session', async () => {
     one = await serve('one');
-    c1 = await connectHTTP(one.url, TOKEN);
+    lb = await front(() => [one, two].filter((r) => r).map((r) => r.port));
+    c1 = await connectHTTP(lb.url, TOKEN);
     // The first box may pull the image onto the node: a long first call.
     const res = await c1.client.callTool(
       {
@@ -258,10 +303,14 @@ describe('kubernetes: a session through two kiln replicas on the test cluster', 
     one.proc.kill('SIGKILL'); // mid-session: its attach, its Lease and its Pods are left behind
     await new Promise((resolve) => (one.proc.exitCode !== null || one.proc.signalCode !== null ? resolve() : one.proc.on('exit', resolve)));
     assert.equal(one.proc.signalCode, 'SIGKILL');
+
+    // The client's transport session was the dead replica's: through the
+    // load balancer the second replica does not know it (404), and the
+    // client initializes again there.
+    await assert.rejects(call(c1.client, 'run_python', { session, code: 'x' }), (e) => e.code === 404);
     await c1.close().catch(() => {});
     c1 = undefined;
-
-    c2 = await connectHTTP(two.url, TOKEN);
+    c2 = await connectHTTP(lb.url, TOKEN);
     const res = await call(c2.client, 'run_python', {
       session,
       code: 'import matplotlib.pyplot as plt\nprint(x + 1, open("notes.txt").read())\nplt.bar(["a", "b"], [x, 1])\nplt.show()',
@@ -294,7 +343,7 @@ describe('kubernetes: a session through two kiln replicas on the test cluster', 
 
     // And a stateless request (no initialize, no transport session) that
     // names the session lands in it.
-    const res = await stateless(two.url, TOKEN, 1, 'tools/call', { name: 'run_python', arguments: { session, code: 'x += 1\nprint("x is", x)' } });
+    const res = await stateless(lb.url, TOKEN, 1, 'tools/call', { name: 'run_python', arguments: { session, code: 'x += 1\nprint("x is", x)' } });
     assert.notEqual(res.isError, true, text(res));
     assert.equal(sessionOf(res), session);
     assert.match(text(res), /^x is 42$/m, text(res));

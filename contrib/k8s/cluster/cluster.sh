@@ -160,7 +160,7 @@ leftover_pids() {
 	for p in /proc/[0-9]*; do
 		cmd=$({ tr '\0' ' ' <"$p/cmdline"; } 2>/dev/null) || continue
 		case "${cmd%% *}" in
-		*/etcd | */kube-apiserver | */kube-controller-manager | */kube-scheduler | */kubelet | */registry | containerd | */containerd) ;;
+		*/etcd | */kube-apiserver | */kube-controller-manager | */kube-scheduler | */kubelet | */kube-router | */registry | containerd | */containerd) ;;
 		*) continue ;;
 		esac
 		case "$cmd" in *" $DIR/"* | *"=$DIR/"*) echo "${p#/proc/}" ;; esac
