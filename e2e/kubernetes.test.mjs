@@ -13,12 +13,14 @@
 //
 // The namespace, ServiceAccount, Role, RoleBinding and NetworkPolicy are
 // contrib/kubernetes/*.yaml applied into a fresh namespace (the
-// RuntimeClass, the Deployment and its Service as a server-side dry run:
-// this cluster runs no kube-proxy, so a kiln Pod could not reach the API
-// through its Service IP), the replicas run on the node with the
-// ServiceAccount's token and with the Deployment's own arguments, and the
-// box image is built and pushed by `kiln image build --oci` to the
-// cluster's registry.
+// RuntimeClass, the Deployment and its Service as a server-side dry run),
+// these replicas run on the node with the ServiceAccount's token and with
+// the Deployment's own arguments, and the box image is built and pushed by
+// `kiln image build --oci` to the cluster's registry.
+//
+// A second suite runs the Deployment itself, two kiln Pods in the cluster:
+// a chart through one, the session continued through the other, and back
+// through the first after SIGKILL to the kiln of the second.
 //
 // Runs with KILN_TEST_K8S=1 and the variables of `contrib/k8s/cluster/
 // cluster.sh env` (KUBECONFIG, KILN_K8S_KUBECTL, KILN_K8S_REGISTRY,
@@ -28,7 +30,8 @@ import { describe, it, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
 import http from 'node:http';
-import { mkdirSync, mkdtempSync, readFileSync, renameSync, rmSync, writeFileSync } from 'node:fs';
+import net from 'node:net';
+import { mkdirSync, mkdtempSync, readdirSync, readFileSync, renameSync, rmSync, writeFileSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -148,10 +151,63 @@ async function waitFor(what, secs, fn) {
   }
 }
 
+// boxImage is the box image, built and pushed by kiln itself once for
+// this file (or KILN_K8S_IMAGE).
+let boxImageP;
+function boxImage() {
+  boxImageP ??= (async () => {
+    if (process.env.KILN_K8S_IMAGE) return process.env.KILN_K8S_IMAGE;
+    const reg = process.env.KILN_K8S_REGISTRY;
+    assert.ok(reg, 'set KILN_K8S_IMAGE, or KILN_K8S_REGISTRY to build and push the box image');
+    const { stdout } = await run(KILN, ['image', 'build', '--oci', `${reg}/kiln/box:e2e`, '--insecure'], { timeout: 30 * 60_000 });
+    const ref = stdout.trim().split('\n').pop();
+    assert.match(ref, /@sha256:[0-9a-f]{64}$/, `kiln image build --oci printed ${JSON.stringify(stdout)}`);
+    return ref;
+  })();
+  return boxImageP;
+}
+
+// prepare puts kiln's seccomp profile where the kubelet finds it (as the
+// Deployment's comment says to do on every node), applies the operator's
+// manifests to ns, and returns the Deployment and its Service as the API
+// server admits them there (a server-side dry run, which must draw no Pod
+// Security warning), with the box image and kilnImage in place.
+async function prepare(ns, kilnImage) {
+  assert.ok(process.env.KUBECONFIG, 'KILN_TEST_K8S=1 but KUBECONFIG is not set (contrib/k8s/cluster/cluster.sh env)');
+  const image = await boxImage();
+  const seccompDir = process.env.KILN_K8S_SECCOMP_DIR;
+  if (seccompDir) {
+    const { stdout } = await run(KILN, ['k8s', 'seccomp-profile']);
+    // Written aside and renamed: the kubelet may be reading it for
+    // another test's Pod.
+    const p = path.join(seccompDir, 'kiln', 'box.json');
+    mkdirSync(path.dirname(p), { recursive: true });
+    writeFileSync(`${p}.${process.pid}`, stdout);
+    renameSync(`${p}.${process.pid}`, p);
+  }
+  for (const m of ['namespace.yaml', 'rbac.yaml', 'networkpolicy.yaml']) {
+    await kubectl(['apply', '-f', '-'], { input: manifest(m, ns) });
+  }
+  await kubectl(['apply', '--dry-run=server', '-f', path.join(MANIFESTS, 'runtimeclass.yaml')]);
+  const dep = manifest('deployment.yaml', ns).replace(/KILN_BOX_IMAGE/g, image).replace(/KILN_IMAGE/g, kilnImage);
+  const dry = await kubectl(['apply', '--dry-run=server', '-o', 'json', '-f', '-'], { input: dep });
+  assert.doesNotMatch(dry.stderr, /PodSecurity|[Ww]arning/, `the Deployment draws warnings:\n${dry.stderr}`);
+  const objs = JSON.parse(dry.stdout);
+  const items = objs.kind === 'List' ? objs.items : [objs];
+  const deployment = items.find((o) => o.kind === 'Deployment');
+  const service = items.find((o) => o.kind === 'Service');
+  assert.ok(deployment && service, `no Deployment and Service in the dry run: ${dry.stdout.slice(0, 300)}`);
+  assert.equal(service.spec.sessionAffinity, 'ClientIP', 'the Service does not keep a client on one replica');
+  const ctr = deployment.spec.template.spec.containers.find((c) => c.name === 'kiln');
+  assert.ok(ctr.env.some((e) => e.name === 'KILN_TOKEN'), 'the Deployment passes no KILN_TOKEN');
+  assert.equal(ctr.args[0], 'serve');
+  assert.ok(ctr.args.includes('--backend=kubernetes'), `args: ${ctr.args}`);
+  return { image, deployment, service, ctr, seccompDir };
+}
+
 describe('kubernetes: a session through two kiln replicas on the test cluster', { skip: k8sSkip }, () => {
   const ns = `kiln-e2e-${randomBytes(4).toString('hex')}`;
   let dir;
-  let image;
   let replicaFlags; // (name) => flags of `kiln serve` for replica name
   let saKubeconfig;
   let one;
@@ -163,55 +219,10 @@ describe('kubernetes: a session through two kiln replicas on the test cluster', 
   let lb; // the load balancer the client talks to
 
   before(async () => {
-    assert.ok(process.env.KUBECONFIG, 'KILN_TEST_K8S=1 but KUBECONFIG is not set (contrib/k8s/cluster/cluster.sh env)');
     dir = mkdtempSync(path.join(os.tmpdir(), 'kiln-e2e-k8s-'));
-
-    // The box image, built and pushed by kiln itself.
-    image = process.env.KILN_K8S_IMAGE;
-    if (!image) {
-      const reg = process.env.KILN_K8S_REGISTRY;
-      assert.ok(reg, 'set KILN_K8S_IMAGE, or KILN_K8S_REGISTRY to build and push the box image');
-      const { stdout } = await run(KILN, ['image', 'build', '--oci', `${reg}/kiln/box:e2e`, '--insecure'], { timeout: 30 * 60_000 });
-      image = stdout.trim().split('\n').pop();
-      assert.match(image, /@sha256:[0-9a-f]{64}$/, `kiln image build --oci printed ${JSON.stringify(stdout)}`);
-    }
-
-    // kiln's seccomp profile where the kubelet finds it, as the
-    // Deployment's comment says to do on every node.
-    const seccompDir = process.env.KILN_K8S_SECCOMP_DIR;
-    if (seccompDir) {
-      const { stdout } = await run(KILN, ['k8s', 'seccomp-profile']);
-      // Written aside and renamed: the kubelet may be reading it for
-      // another test's Pod.
-      const p = path.join(seccompDir, 'kiln', 'box.json');
-      mkdirSync(path.dirname(p), { recursive: true });
-      writeFileSync(`${p}.${process.pid}`, stdout);
-      renameSync(`${p}.${process.pid}`, p);
-    }
-
-    // The operator's manifests, in a namespace of this test's own.
-    for (const m of ['namespace.yaml', 'rbac.yaml', 'networkpolicy.yaml']) {
-      await kubectl(['apply', '-f', '-'], { input: manifest(m, ns) });
-    }
-
-    // The Deployment, as the API server would admit it here (a dry run:
-    // this cluster runs no kube-proxy, so a kiln Pod could not reach the
-    // API through its Service IP); Pod Security of the namespace has
-    // nothing to say about it. Its kiln arguments are what the replicas
-    // run with.
-    const dep = manifest('deployment.yaml', ns).replace(/KILN_BOX_IMAGE/g, image).replace(/KILN_IMAGE/g, `${process.env.KILN_K8S_REGISTRY || 'localhost:5000'}/kiln/kiln:e2e`);
-    await kubectl(['apply', '--dry-run=server', '-f', path.join(MANIFESTS, 'runtimeclass.yaml')]);
-    const dry = await kubectl(['apply', '--dry-run=server', '-o', 'json', '-f', '-'], { input: dep });
-    assert.doesNotMatch(dry.stderr, /PodSecurity|[Ww]arning/, `the Deployment draws warnings:\n${dry.stderr}`);
-    const objs = JSON.parse(dry.stdout);
-    const deployment = (objs.kind === 'List' ? objs.items : [objs]).find((o) => o.kind === 'Deployment');
-    assert.ok(deployment, `no Deployment in the dry run: ${dry.stdout.slice(0, 300)}`);
-    const service = (objs.kind === 'List' ? objs.items : [objs]).find((o) => o.kind === 'Service');
-    assert.equal(service?.spec.sessionAffinity, 'ClientIP', 'the Service does not keep a client on one replica');
-    const ctr = deployment.spec.template.spec.containers.find((c) => c.name === 'kiln');
-    assert.ok(ctr.env.some((e) => e.name === 'KILN_TOKEN'), 'the Deployment passes no KILN_TOKEN');
-    assert.equal(ctr.args[0], 'serve');
-    assert.ok(ctr.args.includes('--backend=kubernetes'), `args: ${ctr.args}`);
+    // The Deployment is only dry-run here: its kiln arguments are what
+    // the replicas run with, on the node.
+    const { ctr, seccompDir } = await prepare(ns, `${process.env.KILN_K8S_REGISTRY || 'localhost:5000'}/kiln/kiln:e2e`);
     replicaFlags = (name) => [
       ...ctr.args
         .slice(1)
@@ -361,5 +372,126 @@ describe('kubernetes: a session through two kiln replicas on the test cluster', 
       if (left.length > 0 || leases.stdout.trim() !== '') return `pods ${left.map((p) => p.metadata.name)}, ${leases.stdout.trim()}`;
       return true;
     });
+  });
+});
+
+// kilnPid is the host pid of the kiln process of a Deployment's Pod: the
+// one whose command line names the Pod as its replica.
+function kilnPid(pod) {
+  for (const d of readdirSync('/proc')) {
+    if (!/^\d+$/.test(d)) continue;
+    let cmd;
+    try {
+      cmd = readFileSync(`/proc/${d}/cmdline`, 'utf8').split('\0');
+    } catch {
+      continue;
+    }
+    if (cmd[1] === 'serve' && cmd.includes(`--k8s-replica=${pod}`)) return Number(d);
+  }
+  return 0;
+}
+
+// The Deployment itself: its Pods run kiln serve in the cluster. This
+// cluster has no kube-proxy, so the Service IP the in-cluster client
+// configuration names leads nowhere; the test forwards a port of the
+// node's address on the Pods' bridge to the API server and points the
+// Pods' KUBERNETES_SERVICE_HOST there (through a host alias on a name the
+// API server's certificate carries). That, and a short Lease, are all it
+// adds to deployment.yaml.
+describe('kubernetes: contrib/kubernetes/deployment.yaml in the cluster', { skip: k8sSkip }, () => {
+  const ns = `kiln-e2e-dep-${randomBytes(4).toString('hex')}`;
+  let forward;
+  let pods2; // [{name, ip}] of the two replicas
+  const clients = [];
+  const connect = async (pod) => {
+    const c = await connectHTTP(`http://${pod.ip}:8080/mcp`, TOKEN);
+    clients.push(c);
+    return c;
+  };
+
+  before(async () => {
+    const gw = process.env.KILN_K8S_POD_GATEWAY;
+    assert.ok(gw, 'KILN_K8S_POD_GATEWAY is not set (contrib/k8s/cluster/cluster.sh env)');
+    const tools = process.env.KILN_K8S_TOOLS;
+    assert.ok(tools, 'KILN_K8S_TOOLS is not set (contrib/k8s/cluster/cluster.sh env)');
+    // An image holding the kiln binary (static), as deployment.yaml asks.
+    const reg = process.env.KILN_K8S_REGISTRY;
+    const { stdout: digest } = await run(path.join(tools, 'mkimage'), ['-ref', `${reg}/kiln/kiln:e2e`, '-entrypoint', '/kiln', '-user', '65532:65532', `kiln=${KILN}`]);
+    const { deployment, service } = await prepare(ns, `${reg}/kiln/kiln@${digest.trim()}`);
+    await kubectl(['-n', ns, 'create', 'secret', 'generic', 'kiln-token', `--from-literal=token=${TOKEN}`]);
+
+    const { stdout: view } = await kubectl(['config', 'view', '--raw', '--minify', '-o', 'json']);
+    const api = new URL(JSON.parse(view).clusters[0].cluster.server);
+    forward = net.createServer((c) => {
+      const u = net.connect(Number(api.port), api.hostname);
+      c.pipe(u).pipe(c);
+      u.on('error', () => c.destroy());
+      c.on('error', () => u.destroy());
+    });
+    await new Promise((resolve, reject) => forward.once('error', reject).listen(0, gw, resolve));
+
+    for (const o of [deployment, service]) {
+      delete o.status;
+      for (const k of ['uid', 'resourceVersion', 'creationTimestamp', 'generation', 'managedFields']) delete o.metadata[k];
+    }
+    delete service.spec.clusterIP; // the dry run's, not allocated
+    delete service.spec.clusterIPs;
+    const spec = deployment.spec.template.spec;
+    spec.hostAliases = [{ ip: gw, hostnames: ['kubernetes'] }];
+    const ctr = spec.containers.find((c) => c.name === 'kiln');
+    ctr.env.push({ name: 'KUBERNETES_SERVICE_HOST', value: 'kubernetes' }, { name: 'KUBERNETES_SERVICE_PORT', value: String(forward.address().port) });
+    ctr.args.push('--k8s-lease-duration=2s');
+    await kubectl(['create', '-f', '-'], { input: JSON.stringify({ apiVersion: 'v1', kind: 'List', items: [deployment, service] }) });
+
+    await waitFor('the Deployment\'s two replicas do not answer', 180, async () => {
+      const l = await pods(ns, 'app.kubernetes.io/name=kiln');
+      const up = l.filter((p) => p.status.phase === 'Running' && p.status.podIP && !p.metadata.deletionTimestamp);
+      if (up.length !== 2) return `${up.length} of 2 Running`;
+      for (const p of up) {
+        try {
+          const r = await fetch(`http://${p.status.podIP}:8080/healthz`);
+          if (!r.ok) return `${p.metadata.name}: /healthz ${r.status}`;
+        } catch (e) {
+          return `${p.metadata.name}: ${e.message}`;
+        }
+      }
+      pods2 = up.map((p) => ({ name: p.metadata.name, ip: p.status.podIP })).sort((a, b) => a.name.localeCompare(b.name));
+      return true;
+    });
+  });
+
+  after(async () => {
+    for (const c of clients) await c.close().catch(() => {});
+    forward?.closeAllConnections?.();
+    forward?.close();
+    await kubectl(['delete', 'namespace', ns, '--wait=false']).catch(() => {});
+  });
+
+  it('serves a chart through one replica; the session goes on through the other, and back after that one is killed', async () => {
+    assert.ok(pods2, 'the replicas did not come up');
+    const [a, b] = pods2;
+    const ca = await connect(a);
+    const res = await call(ca.client, 'run_python', { session: 'in-cluster', code: 'import matplotlib.pyplot as plt\nplt.plot([0, 1], [1, 0])\nplt.show()\ny = 7' });
+    const t = ok(res);
+    assert.match(t, /new sandbox/, t);
+    assertPNG(images(res)[0]);
+
+    // Through the other live replica: the session's Pod moves to it.
+    const cb = await connect(b);
+    const tb = ok(await call(cb.client, 'run_python', { session: 'in-cluster', code: 'print(y * 6)' }));
+    assert.match(tb, /^42$/m, tb);
+    assert.doesNotMatch(tb, /new sandbox/, tb);
+    let bound = await pods(ns, LABEL_SESSION);
+    assert.deepEqual(bound.map((p) => p.metadata.labels[LABEL_REPLICA]), [b.name]);
+
+    // SIGKILL to the kiln of the replica that holds it; back through the first.
+    const pid = kilnPid(b.name);
+    assert.ok(pid > 0, `no kiln process for ${b.name}`);
+    process.kill(pid, 'SIGKILL');
+    const ta = ok(await call(ca.client, 'run_python', { session: 'in-cluster', code: 'print(y)' }));
+    assert.match(ta, /^7$/m, ta);
+    assert.doesNotMatch(ta, /new sandbox/, ta);
+    bound = await pods(ns, LABEL_SESSION);
+    assert.deepEqual(bound.map((p) => p.metadata.labels[LABEL_REPLICA]), [a.name]);
   });
 });

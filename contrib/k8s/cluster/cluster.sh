@@ -531,6 +531,8 @@ env_() {
 	echo "KILN_K8S_CRANE=$TOOLS_BIN/crane"
 	echo "KILN_K8S_SECCOMP_DIR=$DIR/kubelet/seccomp"
 	echo "KILN_K8S_TOOLS=$TOOLS_BIN"
+	# The node's address on the Pods' bridge (the bridge plugin's gateway).
+	echo "KILN_K8S_POD_GATEWAY=${POD_CIDR%.*}.1"
 }
 
 case "${1:-}" in
