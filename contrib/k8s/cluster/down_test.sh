@@ -2,8 +2,9 @@
 # `cluster.sh down` (which `up` runs first) on what a dead cluster leaves
 # behind: a cluster process no pidfile names any more, a stale pidfile
 # whose pid now belongs to an unrelated process, a volume still mounted
-# under the run dir, a kubepods cgroup; and a cluster process whose run
-# dir was removed under it. It runs in mount, pid and network
+# under the run dir, a kubepods cgroup; a cluster process whose run dir
+# was removed under it; and, for up, a port taken by another program. It
+# runs in mount, pid and network
 # namespaces of its own, with a tmpfs over /sys/fs/cgroup and /run/netns,
 # so a live cluster on this machine is not touched.
 #
@@ -64,5 +65,21 @@ disown "$stray"
 KILN_K8S_DIR=$dir KILN_K8S_GVISOR=0 "$script" down
 check "without a run dir, the stray cluster process is killed" "gone $stray"
 kill -KILL "$stray" 2>/dev/null || true
+
+# A port of the cluster's still taken after that (another program): up
+# names it and starts nothing. Only where the binaries are built (up would
+# build them first).
+if [ -x "$(KILN_K8S_DIR=$dir "$script" env | sed -n 's/^KILN_K8S_KUBECTL=//p')" ]; then
+	python3 -c 'import socket,time; s=socket.socket(); s.bind(("127.0.0.1", 2379)); s.listen(); time.sleep(1000)' &
+	other=$!
+	disown "$other"
+	for _ in $(seq 50); do ss -Hltn "sport = :2379" | grep -q . && break; sleep 0.1; done
+	out=$(KILN_K8S_DIR=$dir KILN_K8S_GVISOR=0 "$script" up 2>&1) && rc=0 || rc=$?
+	check "up refuses to start on a taken port, and names it" "[ $rc != 0 ] && grep -q 'port 2379 is taken' <<<\"\$out\""
+	check "up started nothing" "[ ! -e '$dir/pids' ] || [ -z \"\$(ls '$dir/pids')\" ]"
+	kill -KILL "$other" 2>/dev/null || true
+else
+	echo "skip: up on a taken port (the cluster's binaries are not built)"
+fi
 rm -rf "$t"
 exit $fail
