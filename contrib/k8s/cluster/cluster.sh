@@ -47,6 +47,10 @@ NODE=localhost
 BRIDGE=kiln-k8s0
 POD_CIDR=10.89.0.0/24
 SVC_CIDR=10.96.0.0/24
+# kube-router lets every Pod, even under a default-deny policy, reach the
+# node's addresses on the NodePort range (that is how NodePort Services
+# work): the tests use none, so the range is two ports, not 2768.
+NODE_PORTS=30000-30001
 
 log() { echo "k8s-cluster: $*" >&2; }
 die() { log "$*"; exit 1; }
@@ -253,7 +257,7 @@ netpol_start() {
 	start_proc kube-router "$KROUTER_BIN/kube-router" \
 		--kubeconfig "$DIR/kube-router.kubeconfig" --hostname-override "$NODE" \
 		--run-firewall=true --run-router=false --run-service-proxy=false \
-		--service-cluster-ip-range "$SVC_CIDR" --health-port 0 --metrics-port 0 -v 1
+		--service-cluster-ip-range "$SVC_CIDR" --service-node-port-range "$NODE_PORTS" --health-port 0 --metrics-port 0 -v 1
 	# Synced: its first full sync of the policies into iptables is done.
 	wait_for kube-router 60 grep -q "sync iptables took" "$DIR/logs/kube-router.log"
 }
@@ -534,7 +538,7 @@ EOF
 	start_proc kube-apiserver "$KUBE_BIN/kube-apiserver" \
 		--etcd-servers "http://127.0.0.1:$ETCD_PORT" \
 		--bind-address 127.0.0.1 --secure-port "$API_PORT" ${adv:+--advertise-address "$adv"} \
-		--service-cluster-ip-range "$SVC_CIDR" \
+		--service-cluster-ip-range "$SVC_CIDR" --service-node-port-range "$NODE_PORTS" \
 		--client-ca-file "$DIR/pki/ca.crt" \
 		--tls-cert-file "$DIR/pki/apiserver.crt" --tls-private-key-file "$DIR/pki/apiserver.key" \
 		--kubelet-client-certificate "$DIR/pki/apiserver-kubelet-client.crt" \
