@@ -217,8 +217,7 @@ down() {
 # kube-router's network policy controller turns each NetworkPolicy into
 # iptables chains (KUBE-ROUTER-INPUT/FORWARD/OUTPUT, a KUBE-POD-FW-* chain
 # per Pod, KUBE-NWPLCY-* per policy) and ipsets (KUBE-SRC-*, KUBE-DST-*).
-# Pods on the bridge are switched, not routed: br_netfilter must pass
-# their frames through iptables or Pod to Pod traffic skips the policy.
+
 # What kube-router's informers read, and no more.
 netpol_rbac() {
 	cat <<EOF
@@ -245,6 +244,8 @@ subjects:
 EOF
 }
 
+# Pods on the bridge are switched, not routed: br_netfilter must pass
+# their frames through iptables or Pod to Pod traffic skips the policy.
 netpol_start() {
 	[ -e /proc/sys/net/bridge/bridge-nf-call-iptables ] || modprobe br_netfilter 2>/dev/null ||
 		die "no br_netfilter: Pod to Pod traffic on the bridge would bypass NetworkPolicy"
