@@ -39,15 +39,16 @@ func TestNetworkPolicyEnforced(t *testing.T) {
 		_ = cs.CoreV1().Namespaces().Delete(context.Background(), ns, metav1.DeleteOptions{})
 	})
 
+	boxLabels := map[string]string{"app.kubernetes.io/managed-by": "kiln", "app.kubernetes.io/component": "box"}
+	box := startServer(ctx, t, cs, ns, "box", ref, boxLabels)
+	peer := startServer(ctx, t, cs, ns, "peer", ref, map[string]string{"app.kubernetes.io/name": "kiln-smoke"})
+	// The host's addresses once a Pod runs (the CNI makes the bridge then).
 	var hostTCP, hostUDP, hostReg []string
 	for _, ip := range hostIPv4s(t) {
 		tcp, udp := hostListeners(t, ip)
 		hostTCP, hostUDP = append(hostTCP, tcp), append(hostUDP, udp)
 		hostReg = append(hostReg, net.JoinHostPort(ip, regPort(reg)))
 	}
-	boxLabels := map[string]string{"app.kubernetes.io/managed-by": "kiln", "app.kubernetes.io/component": "box"}
-	box := startServer(ctx, t, cs, ns, "box", ref, boxLabels)
-	peer := startServer(ctx, t, cs, ns, "peer", ref, map[string]string{"app.kubernetes.io/name": "kiln-smoke"})
 	boxAddr, peerAddr := net.JoinHostPort(box.Status.PodIP, "8080"), net.JoinHostPort(peer.Status.PodIP, "8080")
 
 	// What gets through, probed from inside the Pods through exec.
