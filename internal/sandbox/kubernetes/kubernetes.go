@@ -605,11 +605,11 @@ func (b *Backend) abandon() {
 }
 
 // Notes are the backend's known gaps, for kiln doctor and the log at start:
-// on the test cluster (runc, bridge CNI) the hostile battery fails five
-// cases (README, "On Kubernetes").
+// on the test cluster (runc, bridge CNI with kube-router's firewall) the
+// hostile battery fails the cases the README's "On Kubernetes" lists.
 func (b *Backend) Notes() []string {
 	notes := []string{
-		"the kubernetes backend is new: boxes run as one non-root uid (code can signal its own agent; per-user kernel counts are shared between boxes), a Pod has no pids limit unless the kubelet sets podPidsLimit, memory-backed volumes have no inode cap, and the NetworkPolicy holds only where the cluster's CNI enforces it",
+		"the kubernetes backend is new: boxes run as one non-root uid (code can signal its own agent; per-user kernel counts are shared between boxes), a Pod has no pids limit unless the kubelet sets podPidsLimit, memory-backed volumes have no inode cap, and the default-deny NetworkPolicy holds only where the cluster enforces NetworkPolicy (a network plugin that does, or an enforcer such as kube-router's firewall; the bridge CNI alone enforces none)",
 	}
 	if b.opts.RuntimeClass == "" {
 		notes = append(notes, "no --k8s-runtime-class: boxes run under the cluster's default runtime (runc), whose boundary is the host kernel's; use gvisor where the nodes have it")
