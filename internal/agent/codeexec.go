@@ -40,10 +40,6 @@ type CodeSetup struct {
 	OOMScoreAdj int
 }
 
-// CodeOOMScoreAdj is the oom_score_adj of code where the agent sets one:
-// the largest, so code is the OOM killer's first choice.
-const CodeOOMScoreAdj = 1000
-
 func (s CodeSetup) empty() bool { return len(s.Rlimits) == 0 && s.OOMScoreAdj == 0 }
 
 // args are ExecCode's arguments before "--".

@@ -48,7 +48,6 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"kiln/internal/sandbox"
-	"kiln/internal/sandbox/boxplan"
 )
 
 // Options configure the backend. The zero value of each field is its default.
@@ -87,9 +86,9 @@ type Options struct {
 	// NoNetworkPolicy skips applying the default-deny NetworkPolicy (for
 	// operators who manage it themselves, as contrib/kubernetes does).
 	NoNetworkPolicy bool
-	// UID and GID of the box's only user (agent and code). Default 1000;
-	// root is refused.
-	UID, GID int64
+	// UIDs is the range each box's code draws its own host uid (and gid)
+	// from (uid.go); the agent runs as root. Default DefaultUIDRange.
+	UIDs UIDRange
 	// Logger receives lifecycle events. Default: discard.
 	Logger *slog.Logger
 
@@ -196,14 +195,11 @@ func (o Options) withDefaults() (Options, error) {
 	if o.PullPolicy == "" {
 		o.PullPolicy = corev1.PullIfNotPresent
 	}
-	if o.UID == 0 {
-		o.UID = boxplan.UID
+	if o.UIDs == (UIDRange{}) {
+		o.UIDs = DefaultUIDRange
 	}
-	if o.GID == 0 {
-		o.GID = boxplan.GID
-	}
-	if o.UID < 0 || o.GID < 0 {
-		return o, errors.New("kubernetes: the box's uid and gid must be positive (root is refused)")
+	if err := o.UIDs.check(); err != nil {
+		return o, fmt.Errorf("kubernetes: %w", err)
 	}
 	if o.TTL < 0 {
 		return o, errors.New("kubernetes: the TTL must not be negative")
@@ -262,6 +258,10 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 	if closed {
 		return nil, sandbox.ErrClosed
 	}
+	uid, err := b.pickUID(ctx)
+	if err != nil {
+		return nil, err
+	}
 	c := podConfig{
 		Name:           podName(spec.ID, randomSuffix()),
 		Namespace:      b.opts.Namespace,
@@ -274,8 +274,8 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 		Preload:        spec.Preload,
 		Replica:        b.opts.Replica,
 		Owner:          leaseOwner(b.lease),
-		UID:            b.opts.UID,
-		GID:            b.opts.GID,
+		UID:            uid,
+		GID:            uid,
 	}
 	if b.opts.TTL > 0 {
 		c.Expires = time.Now().Add(b.opts.TTL)

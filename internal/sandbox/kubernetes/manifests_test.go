@@ -3,6 +3,7 @@ package kubernetes
 import (
 	"bytes"
 	"context"
+	"maps"
 	"os"
 	"path/filepath"
 	goruntime "runtime"
@@ -97,6 +98,23 @@ func TestRBACSuffices(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+	}
+	// The namespace's Pod Security level is namespace.yaml's: the
+	// cluster's admission holds the box Pod to it.
+	var labels map[string]string
+	for _, o := range manifest(t, "namespace.yaml") {
+		labels = o.(*corev1.Namespace).Labels
+	}
+	if labels["pod-security.kubernetes.io/enforce"] != "baseline" {
+		t.Errorf("namespace.yaml enforces Pod Security %q, want baseline (the agent is root with a few capabilities)", labels["pod-security.kubernetes.io/enforce"])
+	}
+	nso, err := cs.CoreV1().Namespaces().Get(ctx, ns, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	maps.Copy(nso.Labels, labels)
+	if _, err := cs.CoreV1().Namespaces().Update(ctx, nso, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
 	}
 	tok, err := cs.CoreV1().ServiceAccounts(ns).CreateToken(ctx, "kiln", &authv1.TokenRequest{}, metav1.CreateOptions{})
 	if err != nil {
