@@ -2,9 +2,10 @@
 // container's first process is kiln-agent, and the agent protocol runs over
 // one attach to that container (its stdin and stdout) through client-go.
 //
-// The Pod carries the box's hardening as data (buildPod): a non-root user,
-// a read-only root filesystem, memory-backed emptyDirs with size limits as
-// the workspace, /tmp and /dev/shm, no service-account token, every
+// The Pod carries the box's hardening as data (buildPod): the agent as
+// root with only KILL, SETGID and SETUID, starting code as a host uid of
+// the box's own (uid.go) with the box's rlimits, a read-only root filesystem, memory-backed emptyDirs with size limits as
+// the workspace, /tmp and /dev/shm, no service-account token, every other
 // capability dropped, no privilege escalation, kiln's syscall policy as a
 // Localhost seccomp profile (SeccompProfile), and memory, CPU and
 // ephemeral-storage limits from the box's sandbox.Limits. A RuntimeClass
@@ -150,6 +151,7 @@ func New(ctx context.Context, o Options) (*Backend, error) {
 			return nil, fmt.Errorf("making the Kubernetes client: %w", err)
 		}
 	}
+	routeKlog(o.Logger)
 	b := &Backend{opts: o, cs: cs, cfg: cfg, log: o.Logger.With("backend", "kubernetes", "replica", o.Replica),
 		live: map[string]*sandbox.AgentConn{}, pods: map[string]string{}, stop: make(chan struct{})}
 	if !o.NoNetworkPolicy {
@@ -602,12 +604,11 @@ func (b *Backend) abandon() {
 	b.wg.Wait()
 }
 
-// Notes are the backend's known gaps, for kiln doctor and the log at start:
-// on the test cluster (runc, bridge CNI) the hostile battery fails five
-// cases (README, "On Kubernetes").
+// Notes are the backend's known gaps, for kiln doctor and the log at start
+// (README, "On Kubernetes").
 func (b *Backend) Notes() []string {
 	notes := []string{
-		"the kubernetes backend is new: boxes run as one non-root uid (code can signal its own agent; per-user kernel counts are shared between boxes), a Pod has no pids limit unless the kubelet sets podPidsLimit, memory-backed volumes have no inode cap, and the NetworkPolicy holds only where the cluster's CNI enforces it",
+		"the kubernetes backend is new: a Pod has no pids limit of its own (code's RLIMIT_NPROC bounds its processes; set the kubelet's podPidsLimit as the node's backstop), memory-backed volumes have no inode cap (a fill ends when the box's memory does, and the OOM killer takes code first), the agent runs as root with KILL, SETGID and SETUID (Pod Security baseline, not restricted), and the NetworkPolicy holds only where the cluster's CNI enforces it",
 	}
 	if b.opts.RuntimeClass == "" {
 		notes = append(notes, "no --k8s-runtime-class: boxes run under the cluster's default runtime (runc), whose boundary is the host kernel's; use gvisor where the nodes have it")
