@@ -260,10 +260,6 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 	if closed {
 		return nil, sandbox.ErrClosed
 	}
-	uid, err := b.pickUID(ctx)
-	if err != nil {
-		return nil, err
-	}
 	c := podConfig{
 		Name:           podName(spec.ID, randomSuffix()),
 		Namespace:      b.opts.Namespace,
@@ -276,11 +272,13 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 		Preload:        spec.Preload,
 		Replica:        b.opts.Replica,
 		Owner:          leaseOwner(b.lease),
-		UID:            uid,
-		GID:            uid,
 	}
 	if b.opts.TTL > 0 {
 		c.Expires = time.Now().Add(b.opts.TTL)
+	}
+	c, err := b.withOwnUID(ctx, c)
+	if err != nil {
+		return nil, err
 	}
 	start := time.Now()
 	pod, err := b.cs.CoreV1().Pods(c.Namespace).Create(ctx, buildPod(c), metav1.CreateOptions{})

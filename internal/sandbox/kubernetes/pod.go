@@ -115,9 +115,13 @@ func memLimit(l sandbox.Limits) int64 {
 func buildPod(c podConfig) *corev1.Pod {
 	l := c.Limits
 	f, t := false, true
-	uid := c.UID
+	uid, gid := c.UID, c.GID
+	if uid <= 0 || gid <= 0 {
+		// A config that names no uid (a bug) never runs code as root.
+		uid, gid = boxplan.Nobody, boxplan.Nobody
+	}
 	root := int64(0)
-	plan := boxplan.New(boxplan.Limits{WorkspaceBytes: l.WorkspaceBytes, TmpBytes: l.TmpBytes, Inodes: l.Inodes, Pids: l.Pids, OpenFiles: l.OpenFiles}, int(c.UID), int(c.GID))
+	plan := boxplan.New(boxplan.Limits{WorkspaceBytes: l.WorkspaceBytes, TmpBytes: l.TmpBytes, Inodes: l.Inodes, Pids: l.Pids, OpenFiles: l.OpenFiles}, int(uid), int(gid))
 	var rlimits []string
 	for _, r := range plan.Rlimits {
 		rlimits = append(rlimits, r.Name+"="+strconv.FormatUint(r.Value, 10))
@@ -153,7 +157,7 @@ func buildPod(c podConfig) *corev1.Pod {
 		LabelComponent: "box",
 		LabelReplica:   labelValue(c.Replica),
 		LabelBox:       labelValue(c.BoxID),
-		LabelUID:       strconv.FormatInt(c.UID, 10),
+		LabelUID:       strconv.FormatInt(uid, 10),
 	}
 	ann := map[string]string{AnnotationBoxID: c.BoxID}
 	if !c.Expires.IsZero() {
@@ -199,7 +203,7 @@ func buildPod(c podConfig) *corev1.Pod {
 				ImagePullPolicy: c.PullPolicy,
 				Command: []string{guestinit.AgentPath, "-await-host", "-workspace=" + boxplan.Workspace,
 					"-preload=" + strings.Join(c.Preload, ","),
-					"-uid=" + strconv.FormatInt(c.UID, 10), "-gid=" + strconv.FormatInt(c.GID, 10),
+					"-uid=" + strconv.FormatInt(uid, 10), "-gid=" + strconv.FormatInt(gid, 10),
 					"-code-rlimits=" + strings.Join(rlimits, ","),
 					"-code-oom-score-adj=" + strconv.Itoa(codeOOMScoreAdj)},
 				Env:        env,

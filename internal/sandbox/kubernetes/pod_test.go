@@ -97,6 +97,9 @@ func TestPodHardening(t *testing.T) {
 	if !strings.Contains(cmd, "-await-host") {
 		t.Error("the agent does not wait for the host's attach before its hello")
 	}
+	if q := testPod(t, func(c *podConfig) { c.UID, c.GID = 0, 0 }); !slices.Contains(q.Spec.Containers[0].Command, "-uid=65534") {
+		t.Errorf("a config without a uid runs code as %v", q.Spec.Containers[0].Command)
+	}
 	if q := testPod(t, func(c *podConfig) { c.RuntimeClass = "gvisor" }); !slices.Equal(q.Spec.Containers[0].SecurityContext.Capabilities.Add, []corev1.Capability{"CHOWN", "DAC_OVERRIDE", "KILL", "SETGID", "SETUID"}) {
 		t.Errorf("under gVisor the agent's capabilities are %v: where it cannot take code's file ids it needs CHOWN and DAC_OVERRIDE", q.Spec.Containers[0].SecurityContext.Capabilities.Add)
 	}

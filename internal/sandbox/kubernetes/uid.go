@@ -76,6 +76,17 @@ func (r UIDRange) check() error {
 // errNoUID: every uid drawn was in use (a range nearly full of live boxes).
 var errNoUID = errors.New("kubernetes: no free uid in the boxes' uid range")
 
+// withOwnUID gives c a uid and gid of its own (pickUID): every Pod made
+// must have one.
+func (b *Backend) withOwnUID(ctx context.Context, c podConfig) (podConfig, error) {
+	u, err := b.pickUID(ctx)
+	if err != nil {
+		return c, err
+	}
+	c.UID, c.GID = u, u
+	return c, nil
+}
+
 // pickUID draws a uid for a new box from the range, avoiding those of the
 // boxes this replica can see in its namespace. Two replicas drawing at
 // once from a range of a billion meet about once in that many boxes.
