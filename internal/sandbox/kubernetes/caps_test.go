@@ -69,6 +69,40 @@ func TestAgentCapabilitiesNeeded(t *testing.T) {
 	if !interrupted(ctx, t, box) {
 		t.Error("with KILL the agent does not interrupt code")
 	}
+	codeIdentity(ctx, t, box)
+}
+
+// codeIdentity checks what code runs as: the box's own uid and gid with no
+// other group, no capability in any set but the bounding one, no way to
+// regain one (no_new_privs), and under the one seccomp filter the runtime
+// gave the agent (kiln's profile: the agent adds none of its own).
+func codeIdentity(ctx context.Context, t *testing.T, box sandbox.Sandbox) {
+	t.Helper()
+	r, err := box.RunShell(ctx, `grep -E '^(Uid|Gid|Groups|CapInh|CapPrm|CapEff|CapAmb|NoNewPrivs|Seccomp|Seccomp_filters):' /proc/self/status; echo "agent $(grep -E '^(Uid|Seccomp_filters):' /proc/1/status | tr -s '\t' ' ' | tr '\n' ' ')"`, sandbox.ExecOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]string{}
+	for _, line := range strings.Split(strings.TrimSpace(r.Stdout.Text), "\n") {
+		k, v, _ := strings.Cut(line, ":")
+		got[k] = strings.Join(strings.Fields(v), " ")
+	}
+	uid := strings.Fields(got["Uid"])
+	if len(uid) != 4 || uid[0] == "0" || strings.Count(got["Uid"], uid[0]) != 4 || got["Gid"] != got["Uid"] || got["Groups"] != "" {
+		t.Errorf("code's ids: uid %q gid %q groups %q, want one non-root id for all and no group", got["Uid"], got["Gid"], got["Groups"])
+	}
+	for _, k := range []string{"CapInh", "CapPrm", "CapEff", "CapAmb"} {
+		if got[k] != "0000000000000000" {
+			t.Errorf("code's %s = %s", k, got[k])
+		}
+	}
+	if got["NoNewPrivs"] != "1" || got["Seccomp"] != "2" || got["Seccomp_filters"] != "1" {
+		t.Errorf("code: no_new_privs %s, seccomp mode %s with %s filters; want 1, 2 (filter), 1", got["NoNewPrivs"], got["Seccomp"], got["Seccomp_filters"])
+	}
+	if a := r.Stdout.Text[strings.LastIndex(r.Stdout.Text, "agent "):]; !strings.Contains(a, "Uid: 0 0 0 0") || !strings.Contains(a, "Seccomp_filters: 1") {
+		t.Errorf("the agent (PID 1): %s, want root under the same one filter", a)
+	}
+	t.Logf("code: %v", got)
 }
 
 // interrupted runs a long shell command and interrupts it until it ends,
