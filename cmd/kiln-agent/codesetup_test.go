@@ -4,6 +4,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -99,4 +100,50 @@ func pipes(t *testing.T, cmd *exec.Cmd) (io.WriteCloser, io.Reader) {
 	}
 	t.Cleanup(func() { cmd.Process.Kill() })
 	return in, out
+}
+
+// BenchmarkShellCall is one shell command's round trip through the agent,
+// with code started directly (plain) and through ExecCode (setup), which
+// costs one more exec of kiln-agent per command.
+func BenchmarkShellCall(b *testing.B) {
+	bin := filepath.Join(b.TempDir(), "kiln-agent")
+	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
+		b.Skipf("go build: %v\n%s", err, out)
+	}
+	for _, c := range []struct {
+		name  string
+		flags []string
+	}{
+		{"plain", nil},
+		{"setup", []string{"-code-rlimits", "RLIMIT_CORE=0,RLIMIT_NOFILE=1024,RLIMIT_NPROC=4000", "-code-oom-score-adj", "1000"}},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			cmd := exec.Command(bin, append([]string{"-workspace", b.TempDir(), "-python", ""}, c.flags...)...)
+			in, err := cmd.StdinPipe()
+			if err != nil {
+				b.Fatal(err)
+			}
+			out, err := cmd.StdoutPipe()
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := cmd.Start(); err != nil {
+				b.Fatal(err)
+			}
+			defer func() { in.Close(); cmd.Wait() }()
+			var hello agentproto.Hello
+			if err := agentproto.ReadFrame(out, &hello); err != nil {
+				b.Fatal(err)
+			}
+			for i := 0; b.Loop(); i++ {
+				if err := agentproto.WriteFrame(in, &agentproto.Request{ID: uint64(i + 1), Op: agentproto.OpShell, Code: "true"}); err != nil {
+					b.Fatal(err)
+				}
+				var resp agentproto.Response
+				if err := agentproto.ReadFrame(out, &resp); err != nil || resp.Exec == nil || resp.Exec.ExitCode != 0 {
+					b.Fatalf("%+v %v", resp, err)
+				}
+			}
+		})
+	}
 }
