@@ -17,6 +17,7 @@ type Config struct {
 	Replica         string
 	TTL             time.Duration
 	NoNetworkPolicy bool
+	UIDs            UIDRange
 }
 
 // RegisterFlags defines the Kubernetes backend's flags on fs, storing their
@@ -30,6 +31,8 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.SeccompProfile, "k8s-seccomp-profile", "", "kubernetes backend: path of kiln's seccomp profile under the kubelet's seccomp directory on every node (kiln k8s seccomp-profile prints it; default: the runtime's default profile)")
 	fs.StringVar(&c.Replica, "k8s-replica", "", "kubernetes backend: this replica's name, unique in the namespace (default: host name and a random suffix)")
 	fs.DurationVar(&c.TTL, "k8s-box-ttl", 0, "kubernetes backend: delete a box this long after it started, whatever its session (0: never)")
+	c.UIDs = DefaultUIDRange
+	fs.Var(&c.UIDs, "k8s-uid-range", "kubernetes backend: host uids (and gids) to run each box's code as, one of its own per box, as FIRST-LAST; no host user or other program may use them")
 	fs.BoolVar(&c.NoNetworkPolicy, "k8s-no-network-policy", false, "kubernetes backend: do not apply the boxes' default-deny NetworkPolicy (the operator applies it)")
 }
 
@@ -44,5 +47,6 @@ func (c *Config) Apply(o Options) Options {
 	o.Replica = c.Replica
 	o.TTL = c.TTL
 	o.NoNetworkPolicy = c.NoNetworkPolicy
+	o.UIDs = c.UIDs
 	return o
 }
