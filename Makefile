@@ -6,7 +6,7 @@ BIN     := bin
 APT_RUNTIME := python3 python3-numpy python3-pandas python3-matplotlib python3-dill
 APT_TEST    := iproute2 nftables curl qemu-system-x86 debootstrap e2fsprogs systemd
 
-.PHONY: all build run serve demo test test-go test-e2e conformance deps deps-runtime deps-test runsc wasm lint race fuzz k8s-cluster k8s-down k8s-test clean
+.PHONY: all build run serve demo test test-go test-e2e conformance deps deps-runtime deps-test runsc wasm lint race fuzz k8s-cluster k8s-down k8s-test k8s-e2e clean
 
 all: build
 
@@ -102,8 +102,9 @@ wasm: build
 # tests (issue 17): contrib/k8s/cluster/cluster.sh builds its binaries
 # once into ~/.cache/kiln/k8s, starts it and prints the kubeconfig path;
 # `cluster.sh env` prints KUBECONFIG and the registry for tests.
-# k8s-test pushes an image to its registry and runs, execs into and
-# deletes a Pod. Needs root, containerd and runc (apt-get).
+# k8s-test checks that `down` cleans what a dead cluster leaves (in
+# namespaces of its own), pushes an image to its registry and runs, execs
+# into and deletes a Pod. Needs root, containerd and runc (apt-get).
 K8S_CLUSTER := contrib/k8s/cluster/cluster.sh
 k8s-cluster:
 	@$(K8S_CLUSTER) up
@@ -112,7 +113,13 @@ k8s-down:
 	@$(K8S_CLUSTER) down
 
 k8s-test: k8s-cluster
+	contrib/k8s/cluster/down_test.sh
 	cd contrib/k8s/cluster/tools && env $$(../cluster.sh env) KILN_K8S_SMOKE=1 $(GO) test -count=1 -v ./smoke
+
+# k8s-e2e: e2e/kubernetes.test.mjs alone on the cluster (a real MCP client
+# through two kiln serve replicas); `make test` runs it with KILN_TEST_K8S=1.
+k8s-e2e: build k8s-cluster
+	cd e2e && env $$(../$(K8S_CLUSTER) env) KILN_TEST_K8S=1 KILN_BIN=$(CURDIR)/$(BIN)/kiln node --test --test-concurrency=1 kubernetes.test.mjs
 
 clean:
 	rm -rf $(BIN)

@@ -176,3 +176,45 @@ export function assertPNG(block) {
   assert.deepEqual(data.subarray(0, 8), PNG_MAGIC, 'image block does not start with the PNG signature');
   return data;
 }
+
+// The 2026-07-28 revision carries what initialize used to in every
+// request: the MCP-Protocol-Version header, the Mcp-Method (and for
+// tools/call Mcp-Name) headers, and the _meta triple in the params.
+export const STATELESS = '2026-07-28';
+export async function stateless(url, token, id, method, params = {}) {
+  const headers = {
+    'Content-Type': 'application/json',
+    Accept: 'application/json, text/event-stream',
+    'MCP-Protocol-Version': STATELESS,
+    'Mcp-Method': method,
+  };
+  if (token) headers.Authorization = `Bearer ${token}`;
+  if (method === 'tools/call') headers['Mcp-Name'] = params.name;
+  const body = {
+    jsonrpc: '2.0',
+    id,
+    method,
+    params: {
+      ...params,
+      _meta: {
+        'io.modelcontextprotocol/protocolVersion': STATELESS,
+        'io.modelcontextprotocol/clientCapabilities': {},
+        'io.modelcontextprotocol/clientInfo': { name: 'kiln-e2e-stateless', version: '0.0.0' },
+      },
+    },
+  };
+  const res = await fetch(url, { method: 'POST', headers, body: JSON.stringify(body) });
+  const raw = await res.text();
+  assert.equal(res.status, 200, `stateless ${method}: HTTP ${res.status}: ${raw.slice(0, 300)}`);
+  assert.equal(res.headers.get('mcp-session-id'), null, 'a stateless answer created a transport session');
+  let msg;
+  if ((res.headers.get('content-type') || '').includes('text/event-stream')) {
+    const data = raw.split('\n').filter((l) => l.startsWith('data:')).map((l) => l.slice(5).trim());
+    msg = data.map((d) => JSON.parse(d)).find((m) => m.id === id);
+  } else {
+    msg = JSON.parse(raw);
+  }
+  assert.equal(msg?.id, id, `no answer to id ${id}: ${raw.slice(0, 300)}`);
+  assert.equal(msg.error, undefined, `stateless ${method}: ${JSON.stringify(msg.error)}`);
+  return msg.result;
+}

@@ -6,6 +6,7 @@ package main
 
 import (
 	"flag"
+	"fmt"
 	"log/slog"
 	"os"
 	"strings"
@@ -15,6 +16,12 @@ import (
 )
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == agent.ExecCodeArg {
+		// The agent starting code (agent.CodeSetup); never returns on success.
+		err := agent.ExecCode(os.Args[2:])
+		fmt.Fprintln(os.Stderr, "kiln-agent:", err)
+		os.Exit(127)
+	}
 	var (
 		workspace = flag.String("workspace", boxplan.Workspace, "workspace directory")
 		python    = flag.String("python", "/usr/bin/python3", "python3 for the kernel; empty for none")
@@ -25,6 +32,8 @@ func main() {
 		zygote    = flag.Bool("zygote", false, "become a jail zygote's python template (control socket on fd 3)")
 		adopt     = flag.Int("adopt-kernel", 0, "use the kernel with this pid, forked by a jail zygote, whose pipes are on fds 3-9")
 		await     = flag.Bool("await-host", false, "read one byte from the stream before saying hello (a host that attaches after the start, as on Kubernetes)")
+		rlimits   = flag.String("code-rlimits", "", "set these rlimits on every process of code, as NAME=VALUE[,...] (RLIMIT_NPROC=64,RLIMIT_NOFILE=1024)")
+		oomAdj    = flag.Int("code-oom-score-adj", 0, "set this oom_score_adj on every process of code (1000: code dies first); 0 leaves it")
 		verbose   = flag.Bool("v", false, "debug logging on stderr")
 	)
 	flag.Parse()
@@ -38,6 +47,12 @@ func main() {
 			mods = append(mods, m)
 		}
 	}
+	logger := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+	rl, err := agent.ParseRlimits(*rlimits)
+	if err != nil {
+		logger.Error("bad -code-rlimits", "err", err)
+		os.Exit(2)
+	}
 	os.Exit(agent.Run(agent.Mode{
 		Config: agent.Config{
 			Workspace: *workspace,
@@ -45,7 +60,8 @@ func main() {
 			Preload:   mods,
 			UID:       *uid,
 			GID:       *gid,
-			Logger:    slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})),
+			Code:      agent.CodeSetup{Rlimits: rl, OOMScoreAdj: *oomAdj},
+			Logger:    logger,
 		},
 		Guest:       *guest,
 		Zygote:      *zygote,

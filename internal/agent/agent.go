@@ -47,6 +47,11 @@ type Config struct {
 	// microVM guest's memory limit).
 	Cgroup   string
 	cgroupFD int
+	// Code, if not empty, is set on every process of code the agent starts
+	// (codeexec.go): where nothing else bounds code per process (a
+	// Kubernetes Pod under runc).
+	Code CodeSetup
+	self string // the agent's own executable, for ExecCode
 	// Adopt, if set, is the kernel a jail zygote forked for this box; the
 	// agent uses it instead of starting python itself (it starts a new
 	// one only if that kernel dies).
@@ -85,6 +90,11 @@ func New(cfg Config) *Agent {
 	}
 	if cfg.Workspace == "" {
 		cfg.Workspace = boxplan.Workspace
+	}
+	if !cfg.Code.empty() {
+		if self, err := os.Executable(); err == nil {
+			cfg.self = self
+		}
 	}
 	if cfg.Cgroup != "" {
 		if fd, err := syscall.Open(cfg.Cgroup, syscall.O_RDONLY|syscall.O_DIRECTORY|syscall.O_CLOEXEC, 0); err == nil {
@@ -351,6 +361,8 @@ func childEnv(cfg *Config) []string {
 func childAttr(cfg *Config) *syscall.SysProcAttr {
 	attr := &syscall.SysProcAttr{Setpgid: true}
 	if os.Getuid() == 0 && cfg.UID >= 0 {
+		// Code inherits the agent's supplementary groups: none, since
+		// Harden dropped them where it could.
 		attr.Credential = &syscall.Credential{Uid: uint32(cfg.UID), Gid: uint32(cfg.GID), NoSetGroups: true}
 	}
 	if cfg.cgroupFD > 0 {

@@ -1,12 +1,14 @@
 package agent
 
 import (
+	"container/heap"
 	"errors"
 	"fmt"
 	"io"
 	"io/fs"
 	"os"
 	"path"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -279,22 +281,75 @@ func (a *Agent) listFilesAsCode(p string) ([]agentproto.FileInfo, error) {
 		return []agentproto.FileInfo{fileInfo(rel, st)}, nil
 	}
 	out := []agentproto.FileInfo{}
-	err = fs.WalkDir(root.FS(), rel, func(name string, d fs.DirEntry, err error) error {
-		if err != nil || name == rel {
-			return nil
-		}
-		if len(out) >= maxListEntries {
-			return fs.SkipAll
-		}
+	walkFirst(root, rel, maxListEntries, func(name string, d fs.DirEntry) {
 		if info, err := d.Info(); err == nil {
 			out = append(out, fileInfo(name, info))
 		}
-		return nil
 	})
-	if err != nil {
-		return nil, pathErr(p, err)
-	}
 	return out, nil
+}
+
+// walkFirst calls fn for the first limit entries of the tree under dir, in
+// fs.WalkDir's order (each directory's entries sorted by name, a directory
+// before what it holds), without following symlinks. Unlike fs.WalkDir it
+// never holds more than limit entries of a directory: a workspace filled
+// with a million files would otherwise have the agent read every name
+// into memory, in a box whose memory those files have already taken.
+// Directories it cannot read are skipped.
+func walkFirst(root *os.Root, dir string, limit int, fn func(name string, d fs.DirEntry)) int {
+	if limit <= 0 {
+		return 0
+	}
+	f, err := root.Open(dir)
+	if err != nil {
+		return 0
+	}
+	first := &nameHeap{}
+	for {
+		batch, err := f.ReadDir(256)
+		for _, e := range batch {
+			if first.Len() < limit {
+				heap.Push(first, e)
+			} else if e.Name() < (*first)[0].Name() {
+				(*first)[0] = e
+				heap.Fix(first, 0)
+			}
+		}
+		if err != nil {
+			break
+		}
+	}
+	f.Close()
+	entries := []fs.DirEntry(*first)
+	slices.SortFunc(entries, func(a, b fs.DirEntry) int { return strings.Compare(a.Name(), b.Name()) })
+	n := 0
+	for _, e := range entries {
+		if n >= limit {
+			break
+		}
+		name := path.Join(dir, e.Name())
+		fn(name, e)
+		n++
+		if e.IsDir() {
+			n += walkFirst(root, name, limit-n, fn)
+		}
+	}
+	return n
+}
+
+// nameHeap is a max-heap of directory entries by name: its top is the
+// last of the first names kept so far.
+type nameHeap []fs.DirEntry
+
+func (h nameHeap) Len() int           { return len(h) }
+func (h nameHeap) Less(i, j int) bool { return h[i].Name() > h[j].Name() }
+func (h nameHeap) Swap(i, j int)      { h[i], h[j] = h[j], h[i] }
+func (h *nameHeap) Push(x any)        { *h = append(*h, x.(fs.DirEntry)) }
+func (h *nameHeap) Pop() any {
+	old := *h
+	x := old[len(old)-1]
+	*h = old[:len(old)-1]
+	return x
 }
 
 // changes lists regular files under the workspace modified at or after since.

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"os"
@@ -20,7 +21,10 @@ import (
 //
 // With forCode, the agent is about to start code as another uid: it
 // empties its inheritable capability set (through which a root exec gave
-// it its capabilities), so that code inherits none.
+// it its capabilities), so that code inherits none, and drops its
+// supplementary groups (a container runtime may give root some), which
+// code would inherit. A user namespace that denies setgroups (the jail's)
+// gave the agent none to drop.
 func Harden(forCode bool) error {
 	if err := unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0); err != nil {
 		return fmt.Errorf("setting non-dumpable: %w", err)
@@ -28,6 +32,11 @@ func Harden(forCode bool) error {
 	if forCode {
 		if err := emptyInheritable(); err != nil {
 			return err
+		}
+		if groups, _ := syscall.Getgroups(); len(groups) > 0 {
+			if err := syscall.Setgroups(nil); err != nil && !errors.Is(err, syscall.EPERM) {
+				return fmt.Errorf("dropping supplementary groups: %w", err)
+			}
 		}
 	}
 	if unix.CloseRange(0, math.MaxUint32, unix.CLOSE_RANGE_CLOEXEC) == nil {

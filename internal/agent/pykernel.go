@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
 	"strings"
 	"sync"
 	"syscall"
@@ -78,7 +77,7 @@ func startKernel(cfg *Config) (*pyKernel, error) {
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.Command(cfg.Python, "-u", "-c", kernel.Bootstrap)
+	cmd := codeCommand(cfg, cfg.Python, "-u", "-c", kernel.Bootstrap)
 	cmd.Dir = cfg.Workspace
 	cmd.Env = append(childEnv(cfg), "KILN_DRIVER="+kernel.Driver, "KILN_PRELOAD="+strings.Join(cfg.Preload, ","))
 	cmd.Stdin = nil

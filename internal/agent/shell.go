@@ -28,7 +28,7 @@ var shellReadHook func()
 func (a *Agent) runShell(command string, maxOutput int, live *liveTail) (*agentproto.ExecResult, error) {
 	stdout, stderr := newCapBuf(maxOutput), newCapBuf(maxOutput)
 	stdout.tee, stderr.tee = live, live
-	cmd := exec.Command("/bin/bash", "-c", command)
+	cmd := codeCommand(a.cfg, "/bin/bash", "-c", command)
 	cmd.Dir = a.cfg.Workspace
 	cmd.Env = childEnv(a.cfg)
 	cmd.SysProcAttr = childAttr(a.cfg)

@@ -2,7 +2,9 @@
 # A one-node Kubernetes cluster built on this machine for kiln's tests
 # (issue 17): etcd, kube-apiserver, kube-controller-manager,
 # kube-scheduler and kubelet built from the Go module proxy, containerd
-# and runc from Debian, a registry on loopback, the standard CNI plugins.
+# and runc from Debian, a registry on loopback, the standard CNI plugins,
+# and kube-router in firewall-only mode, which enforces NetworkPolicy
+# (the bridge CNI enforces none).
 #
 #   cluster.sh up      build what is missing (cached), start, wait Ready
 #   cluster.sh down    stop everything, clean mounts, cgroups, netns, state
@@ -35,12 +37,20 @@ TOOLS_BIN=$CACHE/tools-$(cat "$HERE/tools/go.mod" "$HERE/tools/go.sum" | sha256s
 # the gVisor module kiln's go.mod pins (the gvisor backend's runsc).
 GVISOR_VERSION=$(sed -n 's/^\tgvisor.dev\/gvisor \(v[^ ]*\).*/\1/p' "$HERE/../../../go.mod")
 GVISOR_BIN=$CACHE/gvisor-$GVISOR_VERSION/bin
+# kube-router, only its network policy controller (iptables and ipset).
+KROUTER_VERSION=$(sed -n 's/^\tgithub.com\/cloudnativelabs\/kube-router\/v2 \(v[^ ]*\).*/\1/p' "$HERE/kuberouter/go.mod")
+KROUTER_BIN=$CACHE/kube-router-$KROUTER_VERSION/bin
 REGISTRY=localhost:$REG_PORT
 PAUSE_IMAGE=$REGISTRY/kiln/pause:3.10
 CTRD_SOCK=$DIR/containerd/containerd.sock
 NODE=localhost
 BRIDGE=kiln-k8s0
 POD_CIDR=10.89.0.0/24
+SVC_CIDR=10.96.0.0/24
+# kube-router lets every Pod, even under a default-deny policy, reach the
+# node's addresses on the NodePort range (that is how NodePort Services
+# work): the tests use none, so the range is two ports, not 2768.
+NODE_PORTS=30000-30001
 
 log() { echo "k8s-cluster: $*" >&2; }
 die() { log "$*"; exit 1; }
@@ -79,6 +89,9 @@ build() {
 		github.com/containernetworking/plugins/plugins/ipam/host-local \
 		github.com/containernetworking/plugins/plugins/meta/portmap \
 		./pause ./probe ./mkimage
+	build_module kuberouter "$KROUTER_BIN" \
+		"-s -w -X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version=$KROUTER_VERSION" \
+		github.com/cloudnativelabs/kube-router/v2/cmd/kube-router
 	[ "${KILN_K8S_GVISOR:-1}" = 0 ] || build_gvisor ||
 		log "no gvisor RuntimeClass: runsc's shim did not build (log: $GVISOR_BIN/../build.log)"
 }
@@ -110,11 +123,16 @@ start_proc() { # name cmd...
 	echo $! >"$DIR/pids/$name.pid"
 }
 
-alive() { # pidfile → the pid if the process still runs this binary
+# alive: pidfile → the pid, if that process still runs and is ours (its
+# command line names the run dir): after a reboot or a crash a pidfile may
+# name a pid the kernel gave to an unrelated process, which must not be
+# taken for a live cluster nor killed.
+alive() {
 	local f=$1 pid
 	[ -f "$f" ] || return 1
 	pid=$(cat "$f")
 	[ -n "$pid" ] && [ -d "/proc/$pid" ] || return 1
+	{ tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null | grep -qF -- "$DIR/" || return 1
 	echo "$pid"
 }
 
@@ -145,8 +163,23 @@ leftover_pids() {
 	for p in /proc/[0-9]*; do
 		{ tr '\0' ' ' <"$p/cmdline"; } 2>/dev/null | grep -qF -- " $CTRD_SOCK " && echo "${p#/proc/}"
 	done
+	for p in /proc/[0-9]*; do
+		{ tr '\0' ' ' <"$p/cmdline"; } 2>/dev/null | grep -qF -- " $DIR/kube-router.kubeconfig " && echo "${p#/proc/}"
+	done
 	for p in /sys/fs/cgroup/pids/kubepods /sys/fs/cgroup/kubepods; do
 		[ -d "$p" ] && find "$p" -name cgroup.procs -exec cat {} + 2>/dev/null
+	done
+	# The cluster's own processes that no pidfile names any more (a run
+	# dir removed under a live cluster, a crash while starting): one of
+	# its binaries with the run dir on its command line.
+	local cmd
+	for p in /proc/[0-9]*; do
+		cmd=$({ tr '\0' ' ' <"$p/cmdline"; } 2>/dev/null) || continue
+		case "${cmd%% *}" in
+		*/etcd | */kube-apiserver | */kube-controller-manager | */kube-scheduler | */kubelet | */kube-router | */registry | containerd | */containerd) ;;
+		*) continue ;;
+		esac
+		case "$cmd" in *" $DIR/"* | *"=$DIR/"*) echo "${p#/proc/}" ;; esac
 	done
 	return 0
 }
@@ -162,10 +195,11 @@ wait_for() { # what seconds cmd...
 
 # ---- down ----
 
+# down also runs without a run dir: what a dead cluster left outside it
+# (processes, netns, the bridge, cgroups) goes all the same.
 down() {
-	[ -d "$DIR" ] || return 0
-	local ns c pid m
-	stop_procs kubelet kube-scheduler kube-controller-manager kube-apiserver etcd
+	local ns c pid m i left pids
+	stop_procs kube-router kubelet kube-scheduler kube-controller-manager kube-apiserver etcd
 	# Containers: kill every task containerd runs for us, then containerd.
 	if alive "$DIR/pids/containerd.pid" >/dev/null && [ -S "$CTRD_SOCK" ]; then
 		for ns in $(ctr -a "$CTRD_SOCK" namespaces ls -q 2>/dev/null); do
@@ -175,7 +209,17 @@ down() {
 		done
 	fi
 	stop_procs containerd registry
-	for pid in $(leftover_pids); do kill -KILL "$pid" 2>/dev/null || true; done
+	# Then the rest, and wait for it to be gone (its mounts, ports, cgroups).
+	pids=$(leftover_pids | sort -u)
+	for pid in $pids; do kill -KILL "$pid" 2>/dev/null || true; done
+	for i in $(seq 50); do
+		left=""
+		for pid in $pids; do [ -d "/proc/$pid" ] && left="$left $pid"; done
+		[ -z "$left" ] && break
+		sleep 0.1
+	done
+	[ -z "$left" ] || log "processes still there after SIGKILL:$left"
+	netpol_clean
 	# Mounts under the run dir (overlay rootfs, kubelet volumes), deepest first.
 	for m in $(awk -v d="$DIR/" 'index($5, d) == 1 {print $5}' /proc/self/mountinfo | sort -r); do
 		umount -l "$m" 2>/dev/null || true
@@ -188,22 +232,113 @@ down() {
 		done
 	fi
 	ip link delete "$BRIDGE" 2>/dev/null || true
-	# The kubelet's cgroups (cgroupfs driver: /kubepods in each hierarchy).
-	for c in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/kubepods /sys/fs/cgroup/*/kubepods.slice; do
-		[ -d "$c" ] && find "$c" -depth -type d -exec rmdir {} + 2>/dev/null || true
+	# The kubelet's cgroups (cgroupfs driver: /kubepods in each hierarchy);
+	# a cgroup whose last task is still exiting refuses rmdir for a moment.
+	for i in 1 2 3 4 5; do
+		left=""
+		for c in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/kubepods /sys/fs/cgroup/*/kubepods.slice; do
+			[ -d "$c" ] || continue
+			find "$c" -depth -type d -exec rmdir {} + 2>/dev/null || left="$left $c"
+		done
+		[ -z "$left" ] && break
+		sleep 1
 	done
+	[ -z "$left" ] || log "cgroups left:$left"
 	rm -rf "$DIR"
+}
+
+# ---- NetworkPolicy: kube-router's firewall only ----
+
+# kube-router's network policy controller turns each NetworkPolicy into
+# iptables chains (KUBE-ROUTER-INPUT/FORWARD/OUTPUT, a KUBE-POD-FW-* chain
+# per Pod, KUBE-NWPLCY-* per policy) and ipsets (KUBE-SRC-*, KUBE-DST-*).
+
+# What kube-router's informers read, and no more.
+netpol_rbac() {
+	cat <<EOF
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {name: "system:kube-router"}
+rules:
+- apiGroups: [""]
+  resources: [namespaces, pods, services, nodes, endpoints]
+  verbs: [get, list, watch]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch]
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, watch]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: "system:kube-router"}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "system:kube-router"}
+subjects:
+- {apiGroup: rbac.authorization.k8s.io, kind: User, name: "system:kube-router"}
+EOF
+}
+
+# Pods on the bridge are switched, not routed: br_netfilter must pass
+# their frames through iptables or Pod to Pod traffic skips the policy.
+netpol_start() {
+	[ -e /proc/sys/net/bridge/bridge-nf-call-iptables ] || modprobe br_netfilter 2>/dev/null ||
+		die "no br_netfilter: Pod to Pod traffic on the bridge would bypass NetworkPolicy"
+	[ -e /proc/sys/net/bridge/bridge-nf-call-iptables ] || die "no /proc/sys/net/bridge/bridge-nf-call-iptables"
+	echo 1 >/proc/sys/net/bridge/bridge-nf-call-iptables
+	netpol_rbac | "$KUBE_BIN/kubectl" --kubeconfig "$DIR/admin.kubeconfig" apply -f - >/dev/null
+	# The Node object must exist (kube-router reads its InternalIP to tell
+	# this node's Pods); no router, no service proxy, no health or
+	# metrics listener.
+	start_proc kube-router "$KROUTER_BIN/kube-router" \
+		--kubeconfig "$DIR/kube-router.kubeconfig" --hostname-override "$NODE" \
+		--run-firewall=true --run-router=false --run-service-proxy=false \
+		--service-cluster-ip-range "$SVC_CIDR" --service-node-port-range "$NODE_PORTS" --health-port 0 --metrics-port 0 -v 1
+	# Synced: its first full sync of the policies into iptables is done.
+	wait_for kube-router 60 grep -q "sync iptables took" "$DIR/logs/kube-router.log"
+}
+
+# What a kube-router that is gone left in iptables and ipset: stale rules
+# for Pod IPs that new Pods would be given again. (Not kube-router
+# --cleanup-config: it also flushes every IPVS service on the host.)
+netpol_clean() {
+	local chains s
+	command -v iptables-save >/dev/null || return 0
+	chains=$(iptables-save -t filter | sed -n 's/^:\(KUBE-ROUTER-[A-Z]*\|KUBE-POD-FW-[A-Z0-9]*\|KUBE-NWPLCY-[A-Z0-9]*\) .*/\1/p')
+	if [ -n "$chains" ]; then
+		{
+			echo "*filter"
+			iptables-save -t filter | grep -E '^-A (INPUT|FORWARD|OUTPUT) .*-j KUBE-ROUTER-(INPUT|FORWARD|OUTPUT)$' | sed 's/^-A/-D/'
+			for s in $chains; do echo "-F $s"; done
+			for s in $chains; do echo "-X $s"; done
+			echo COMMIT
+		} | iptables-restore --noflush || log "could not remove kube-router's iptables chains"
+	fi
+	command -v ipset >/dev/null || return 0
+	for s in $(ipset list -n 2>/dev/null | grep -E '^(KUBE-SRC-|KUBE-DST-)'); do
+		ipset destroy "$s" 2>/dev/null || true
+	done
 }
 
 # ---- up ----
 
+# Up: the node is Ready and kube-router enforces NetworkPolicy.
+status() {
+	alive "$DIR/pids/kube-router.pid" >/dev/null && node_ready
+}
+
 # Ready, and with the Hostname address the apiserver reaches the kubelet
 # by (exec, attach, logs). The node IP is left to the kubelet: it refuses
 # a loopback one and then publishes no address at all.
-status() {
-	[ -f "$DIR/admin.kubeconfig" ] && alive "$DIR/pids/kube-apiserver.pid" >/dev/null &&
-		alive "$DIR/pids/kubelet.pid" >/dev/null &&
-		"$KUBE_BIN/kubectl" --kubeconfig "$DIR/admin.kubeconfig" get node "$NODE" \
+# Every process of the cluster must be alive too: a dead etcd, containerd
+# or registry is not a cluster to reuse.
+node_ready() {
+	local n
+	[ -f "$DIR/admin.kubeconfig" ] || return 1
+	for n in registry etcd containerd kube-apiserver kube-controller-manager kube-scheduler kubelet; do
+		alive "$DIR/pids/$n.pid" >/dev/null || return 1
+	done
+	"$KUBE_BIN/kubectl" --kubeconfig "$DIR/admin.kubeconfig" get node "$NODE" \
 			-o jsonpath='{.status.conditions[?(@.type=="Ready")].status} {.status.addresses[?(@.type=="Hostname")].address}' \
 			2>/dev/null | grep -qx "True $NODE"
 }
@@ -257,12 +392,14 @@ pki() {
 	cert scheduler system:kube-scheduler ""
 	cert kubelet-client "system:node:$NODE" system:nodes
 	cert kubelet "$NODE" "" "DNS:$NODE,IP:127.0.0.1"
+	cert kube-router system:kube-router ""
 	openssl genrsa -out "$p/sa.key" 2048 2>/dev/null
 	openssl rsa -in "$p/sa.key" -pubout -out "$p/sa.pub" 2>/dev/null
 	kubeconfig "$DIR/admin.kubeconfig" admin
 	kubeconfig "$DIR/controller-manager.kubeconfig" controller-manager
 	kubeconfig "$DIR/scheduler.kubeconfig" scheduler
 	kubeconfig "$DIR/kubelet.kubeconfig" kubelet-client
+	kubeconfig "$DIR/kube-router.kubeconfig" kube-router
 }
 
 containerd_config() {
@@ -362,6 +499,10 @@ evictionHard: {memory.available: 100Mi, nodefs.available: 1%, imagefs.available:
 imageGCHighThresholdPercent: 99
 imageGCLowThresholdPercent: 98
 maxPods: 250
+# A node-level backstop: no Pod (all its containers) runs more than 1024
+# processes and threads, whatever its code does. A box's own, lower limit
+# is kiln's (RLIMIT_NPROC in the agent); this one holds if that fails.
+podPidsLimit: 1024
 EOF
 }
 
@@ -380,18 +521,20 @@ cap_sys_resource() {
 }
 
 # RuntimeClasses for the handlers containerd has: runc always, gvisor
-# when runsc's shim was built.
+# when runsc's shim was built (the operator's manifest,
+# contrib/kubernetes/runtimeclass.yaml).
 runtimeclasses() {
 	printf 'apiVersion: node.k8s.io/v1\nkind: RuntimeClass\nmetadata: {name: runc}\nhandler: runc\n'
 	if have_gvisor; then
-		printf -- '---\napiVersion: node.k8s.io/v1\nkind: RuntimeClass\nmetadata: {name: gvisor}\nhandler: runsc\n'
+		printf -- '---\n'
+		cat "$HERE/../../kubernetes/runtimeclass.yaml"
 	fi
 }
 
 up() {
 	[ "$(id -u)" = 0 ] || die "needs root"
 	local missing="" p
-	for p in containerd runc iptables curl openssl; do command -v $p >/dev/null || missing="$missing $p"; done
+	for p in containerd runc iptables ipset curl openssl; do command -v $p >/dev/null || missing="$missing $p"; done
 	if [ -n "$missing" ]; then
 		log "installing$missing from Debian"
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
@@ -402,8 +545,14 @@ up() {
 		echo "$DIR/admin.kubeconfig"
 		return 0
 	fi
-	# Anything left of an earlier run (crashed or half up) goes first.
+	# Anything left of an earlier run (crashed or half up) goes first;
+	# a port still taken then is another program's, named here.
 	down
+	local port who
+	for port in "$API_PORT" "$ETCD_PORT" "$ETCD_PEER_PORT" "$REG_PORT" 10248 10250 10257 10259; do
+		who=$(ss -Hltnp "sport = :$port" 2>/dev/null) || continue
+		[ -z "$who" ] || die "port $port is taken (KILN_K8S_*_PORT choose others; 10248-10259 are the kubelet's, controller-manager's and scheduler's): $who"
+	done
 	mkdir -p "$DIR/logs" "$DIR/pids" "$DIR/etcd" "$DIR/registry"
 	local t0 kc=$DIR/admin.kubeconfig k
 	t0=$(date +%s%N)
@@ -438,7 +587,7 @@ EOF
 	start_proc kube-apiserver "$KUBE_BIN/kube-apiserver" \
 		--etcd-servers "http://127.0.0.1:$ETCD_PORT" \
 		--bind-address 127.0.0.1 --secure-port "$API_PORT" ${adv:+--advertise-address "$adv"} \
-		--service-cluster-ip-range 10.96.0.0/24 \
+		--service-cluster-ip-range "$SVC_CIDR" --service-node-port-range "$NODE_PORTS" \
 		--client-ca-file "$DIR/pki/ca.crt" \
 		--tls-cert-file "$DIR/pki/apiserver.crt" --tls-private-key-file "$DIR/pki/apiserver.key" \
 		--kubelet-client-certificate "$DIR/pki/apiserver-kubelet-client.crt" \
@@ -460,7 +609,7 @@ EOF
 		--bind-address 127.0.0.1 --leader-elect=false \
 		--service-account-private-key-file "$DIR/pki/sa.key" --root-ca-file "$DIR/pki/ca.crt" \
 		--cluster-signing-cert-file "$DIR/pki/ca.crt" --cluster-signing-key-file "$DIR/pki/ca.key" \
-		--use-service-account-credentials=true --service-cluster-ip-range 10.96.0.0/24
+		--use-service-account-credentials=true --service-cluster-ip-range "$SVC_CIDR"
 	start_proc kube-scheduler "$KUBE_BIN/kube-scheduler" \
 		--kubeconfig "$DIR/scheduler.kubeconfig" \
 		--authentication-kubeconfig "$DIR/scheduler.kubeconfig" \
@@ -469,7 +618,8 @@ EOF
 	start_proc kubelet "$KUBE_BIN/kubelet" \
 		--config "$DIR/kubelet.yaml" --kubeconfig "$DIR/kubelet.kubeconfig" \
 		--root-dir "$DIR/kubelet" --hostname-override "$NODE"
-	wait_for "node $NODE" 120 status
+	wait_for "node $NODE" 120 node_ready
+	netpol_start
 	[ "${KILN_K8S_GVISOR:-1}" = 0 ] || cap_sys_resource ||
 		log "no gvisor RuntimeClass: without CAP_SYS_RESOURCE runsc's shim cannot start (it sets oom_score_adj -999)"
 	runtimeclasses | "$KUBE_BIN/kubectl" --kubeconfig "$kc" apply -f - >/dev/null
@@ -485,6 +635,8 @@ env_() {
 	echo "KILN_K8S_CRANE=$TOOLS_BIN/crane"
 	echo "KILN_K8S_SECCOMP_DIR=$DIR/kubelet/seccomp"
 	echo "KILN_K8S_TOOLS=$TOOLS_BIN"
+	# The node's address on the Pods' bridge (the bridge plugin's gateway).
+	echo "KILN_K8S_POD_GATEWAY=${POD_CIDR%.*}.1"
 }
 
 case "${1:-}" in

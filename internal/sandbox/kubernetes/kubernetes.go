@@ -2,9 +2,10 @@
 // container's first process is kiln-agent, and the agent protocol runs over
 // one attach to that container (its stdin and stdout) through client-go.
 //
-// The Pod carries the box's hardening as data (buildPod): a non-root user,
-// a read-only root filesystem, memory-backed emptyDirs with size limits as
-// the workspace, /tmp and /dev/shm, no service-account token, every
+// The Pod carries the box's hardening as data (buildPod): the agent as
+// root with only KILL, SETGID and SETUID, starting code as a host uid of
+// the box's own (uid.go) with the box's rlimits, a read-only root filesystem, memory-backed emptyDirs with size limits as
+// the workspace, /tmp and /dev/shm, no service-account token, every other
 // capability dropped, no privilege escalation, kiln's syscall policy as a
 // Localhost seccomp profile (SeccompProfile), and memory, CPU and
 // ephemeral-storage limits from the box's sandbox.Limits. A RuntimeClass
@@ -48,7 +49,6 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"kiln/internal/sandbox"
-	"kiln/internal/sandbox/boxplan"
 )
 
 // Options configure the backend. The zero value of each field is its default.
@@ -87,9 +87,9 @@ type Options struct {
 	// NoNetworkPolicy skips applying the default-deny NetworkPolicy (for
 	// operators who manage it themselves, as contrib/kubernetes does).
 	NoNetworkPolicy bool
-	// UID and GID of the box's only user (agent and code). Default 1000;
-	// root is refused.
-	UID, GID int64
+	// UIDs is the range each box's code draws its own host uid (and gid)
+	// from (uid.go); the agent runs as root. Default DefaultUIDRange.
+	UIDs UIDRange
 	// WarmPool is how many box Pods this replica keeps running ahead of
 	// demand, of the spec Warm names; any replica may take them (see
 	// pool.go). 0: no pool (the --k8s-warm-pool flag's default is
@@ -160,6 +160,7 @@ func New(ctx context.Context, o Options) (*Backend, error) {
 			return nil, fmt.Errorf("making the Kubernetes client: %w", err)
 		}
 	}
+	routeKlog(o.Logger)
 	b := &Backend{opts: o, cs: cs, cfg: cfg, log: o.Logger.With("backend", "kubernetes", "replica", o.Replica),
 		live: map[string]*sandbox.AgentConn{}, pods: map[string]string{}, stop: make(chan struct{}),
 		pool: newWarmPool(o.WarmPool)}
@@ -210,14 +211,11 @@ func (o Options) withDefaults() (Options, error) {
 	if o.PullPolicy == "" {
 		o.PullPolicy = corev1.PullIfNotPresent
 	}
-	if o.UID == 0 {
-		o.UID = boxplan.UID
+	if o.UIDs == (UIDRange{}) {
+		o.UIDs = DefaultUIDRange
 	}
-	if o.GID == 0 {
-		o.GID = boxplan.GID
-	}
-	if o.UID < 0 || o.GID < 0 {
-		return o, errors.New("kubernetes: the box's uid and gid must be positive (root is refused)")
+	if err := o.UIDs.check(); err != nil {
+		return o, fmt.Errorf("kubernetes: %w", err)
 	}
 	if o.TTL < 0 {
 		return o, errors.New("kubernetes: the TTL must not be negative")
@@ -287,6 +285,10 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 	c := b.podConfig(spec)
 	if box, ok := b.createFromPool(ctx, c); ok {
 		return box, nil
+	}
+	c, err := b.withOwnUID(ctx, c)
+	if err != nil {
+		return nil, err
 	}
 	start := time.Now()
 	pod, err := b.cs.CoreV1().Pods(c.Namespace).Create(ctx, buildPod(c), metav1.CreateOptions{})
@@ -507,7 +509,9 @@ func (b *Backend) keep() {
 	every := b.opts.LeaseDuration / 3
 	renew := time.NewTicker(every)
 	defer renew.Stop()
-	sweep := time.NewTicker(sweepEvery)
+	// A short Lease (seconds) is swept as often, so that a dead replica's
+	// boxes go soon after it is taken for dead.
+	sweep := time.NewTicker(min(sweepEvery, b.opts.LeaseDuration))
 	defer sweep.Stop()
 	for {
 		select {
@@ -611,12 +615,11 @@ func (b *Backend) abandon() {
 	b.wg.Wait()
 }
 
-// Notes are the backend's known gaps, for kiln doctor and the log at start:
-// on the test cluster (runc, bridge CNI) the hostile battery fails five
-// cases (README, "On Kubernetes").
+// Notes are the backend's known gaps, for kiln doctor and the log at start
+// (README, "On Kubernetes").
 func (b *Backend) Notes() []string {
 	notes := []string{
-		"the kubernetes backend is new: boxes run as one non-root uid (code can signal its own agent; per-user kernel counts are shared between boxes), a Pod has no pids limit unless the kubelet sets podPidsLimit, memory-backed volumes have no inode cap, and the NetworkPolicy holds only where the cluster's CNI enforces it",
+		"the kubernetes backend is new: a Pod has no pids limit of its own (code's RLIMIT_NPROC bounds its processes; set the kubelet's podPidsLimit as the node's backstop), memory-backed volumes have no inode cap (a fill ends when the box's memory does, and the OOM killer takes code first), the agent runs as root with KILL, SETGID and SETUID (Pod Security baseline, not restricted), and the default-deny NetworkPolicy holds only where the cluster enforces NetworkPolicy (a network plugin that does, or an enforcer such as kube-router's firewall; the bridge CNI alone enforces none)",
 	}
 	if b.opts.RuntimeClass == "" {
 		notes = append(notes, "no --k8s-runtime-class: boxes run under the cluster's default runtime (runc), whose boundary is the host kernel's; use gvisor where the nodes have it")

@@ -3,6 +3,7 @@ package kubernetes
 import (
 	"bytes"
 	"context"
+	"maps"
 	"os"
 	"path/filepath"
 	goruntime "runtime"
@@ -12,6 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	netv1 "k8s.io/api/networking/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
@@ -70,7 +72,8 @@ func TestManifestsParse(t *testing.T) {
 
 // TestRBACSuffices applies rbac.yaml in a fresh namespace and runs boxes
 // with the ServiceAccount's own token: the Role grants all the backend
-// needs (Pods, attach, Leases, NetworkPolicy).
+// needs (Pods, attach, Leases, NetworkPolicy, and a session's Pod bound and
+// adopted by another replica).
 func TestRBACSuffices(t *testing.T) {
 	c := needCluster(t)
 	ns := c.namespace(t)
@@ -98,6 +101,37 @@ func TestRBACSuffices(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// The namespace's Pod Security level is namespace.yaml's: the
+	// cluster's admission holds the box Pod to it.
+	var labels map[string]string
+	for _, o := range manifest(t, "namespace.yaml") {
+		labels = o.(*corev1.Namespace).Labels
+	}
+	if labels["pod-security.kubernetes.io/enforce"] != "baseline" {
+		t.Errorf("namespace.yaml enforces Pod Security %q, want baseline (the agent is root with a few capabilities)", labels["pod-security.kubernetes.io/enforce"])
+	}
+	setLevel := func(l map[string]string) {
+		t.Helper()
+		nso, err := cs.CoreV1().Namespaces().Get(ctx, ns, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if nso.Labels == nil {
+			nso.Labels = map[string]string{}
+		}
+		maps.Copy(nso.Labels, l)
+		if _, err := cs.CoreV1().Namespaces().Update(ctx, nso, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// "restricted" refuses the box Pod (its agent is root with a few
+	// capabilities): the cluster's admission is on, and baseline is needed.
+	setLevel(map[string]string{"pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/enforce-version": "latest"})
+	p := testPod(t, func(c *podConfig) { c.Namespace, c.SeccompProfile = ns, "" })
+	if _, err := cs.CoreV1().Pods(ns).Create(ctx, p, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}}); !apierrors.IsForbidden(err) {
+		t.Errorf("Pod Security restricted admits the box Pod: %v", err)
+	}
+	setLevel(labels)
 	tok, err := cs.CoreV1().ServiceAccounts(ns).CreateToken(ctx, "kiln", &authv1.TokenRequest{}, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -120,7 +154,22 @@ func TestRBACSuffices(t *testing.T) {
 	if err := sandbox.Probe(ctx, box); err != nil {
 		t.Error(err)
 	}
-	if err := box.Close(); err != nil {
+	// A session's box is labelled with it, and another replica moves it
+	// to itself: both update the Pod.
+	if err := b.Bind(ctx, box, "rbac\x00session"); err != nil {
+		t.Fatal(err)
+	}
+	other := c.backend(t, ns, Options{Client: scs, Config: cfg})
+	adopted, err := other.Adopt(ctx, "rbac\x00session")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sandbox.Probe(ctx, adopted); err != nil {
 		t.Error(err)
+	}
+	for _, b := range []sandbox.Sandbox{adopted, box} {
+		if err := b.Close(); err != nil {
+			t.Error(err)
+		}
 	}
 }

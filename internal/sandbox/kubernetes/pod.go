@@ -3,7 +3,8 @@ package kubernetes
 import (
 	"crypto/sha256"
 	"encoding/hex"
-
+	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -34,10 +35,18 @@ const (
 	AnnotationExpires = "kiln.dev/expires"
 	// AnnotationBoxID is the box's sandbox.Spec ID as given.
 	AnnotationBoxID = "kiln.dev/box-id"
+	// LabelUID is the host uid (and gid) the box's code runs as, which
+	// replicas choosing one for a new box avoid.
+	LabelUID = "kiln.dev/uid"
 )
 
 // ContainerName is the name of the one container of a box's Pod.
 const ContainerName = "box"
+
+// codeOOMScoreAdj is code's oom_score_adj: the highest, so that when the
+// box's memory runs out (its workspace's files count against it) the OOM
+// killer takes code, never the agent. The agent keeps the kubelet's.
+const codeOOMScoreAdj = 1000
 
 // podConfig is what one box's Pod is made from.
 type podConfig struct {
@@ -55,7 +64,36 @@ type podConfig struct {
 	Replica        string // the creating replica's name
 	Owner          *metav1.OwnerReference
 	Expires        time.Time // zero: no TTL
-	UID, GID       int64
+	// UID and GID of the box's code, the box's own (pickUID); the agent
+	// runs as root.
+	UID, GID int64
+}
+
+// The agent is the container's first process and runs as root, with only
+// the capabilities it needs to start code as the box's own uid and to stop
+// it, as on gVisor and in the microVM: SETUID and SETGID to start code as
+// that user, KILL to interrupt and kill it. A container runtime gives a
+// non-root container no effective capabilities whatever the Pod adds, so a
+// non-root agent could only run code as its own uid, and code could then
+// signal, stop and trace the process that holds the host's channel. The
+// file tools take the code's file ids on a thread (setfsuid, under
+// SETUID/SETGID), so they read and write only what code could; where the
+// runtime ignores setfsuid (gVisor) the agent acts as itself and needs
+// CHOWN to give what it writes to code and DAC_OVERRIDE to read what code
+// keeps private. Code gets none of them: the change of uid clears them
+// and no_new_privs (allowPrivilegeEscalation: false) keeps them off.
+var (
+	agentCaps       = []corev1.Capability{"KILL", "SETGID", "SETUID"}
+	agentCapsGVisor = []corev1.Capability{"CHOWN", "DAC_OVERRIDE", "KILL", "SETGID", "SETUID"}
+)
+
+// capsFor are the agent's capabilities under a RuntimeClass: runc's ("" is
+// taken as runc, the usual default) or gVisor's (any other).
+func capsFor(runtimeClass string) []corev1.Capability {
+	if runtimeClass == "" || runtimeClass == "runc" {
+		return slices.Clone(agentCaps)
+	}
+	return slices.Clone(agentCapsGVisor)
 }
 
 // memSlack is added to the container's memory limit for what the box's
@@ -67,15 +105,27 @@ func memLimit(l sandbox.Limits) int64 {
 }
 
 // buildPod returns the Pod of a box: kiln-agent as the container's first
-// process, the container hardened as the jail's box is (non-root, read-only
-// root, no capabilities, no privilege escalation, kiln's syscall policy as
-// seccomp, no service-account token, no host namespaces) and bounded by
-// the box's limits. Its workspace, /tmp and /dev/shm are memory-backed
-// emptyDirs with size limits, as the jail's tmpfs are.
+// process, as root with the capabilities of agentCaps, starting code as
+// the box's own uid with the box plan's rlimits (RLIMIT_NPROC is then the
+// box's pids limit) and the highest oom_score_adj; the container hardened
+// as the jail's box is (read-only root, no privilege escalation, kiln's
+// syscall policy as seccomp, no service-account token, no host namespaces)
+// and bounded by the box's limits. Its workspace, /tmp and /dev/shm are
+// memory-backed emptyDirs with size limits, as the jail's tmpfs are.
 func buildPod(c podConfig) *corev1.Pod {
 	l := c.Limits
 	f, t := false, true
 	uid, gid := c.UID, c.GID
+	if uid <= 0 || gid <= 0 {
+		// A config that names no uid (a bug) never runs code as root.
+		uid, gid = boxplan.Nobody, boxplan.Nobody
+	}
+	root := int64(0)
+	plan := boxplan.New(boxplan.Limits{WorkspaceBytes: l.WorkspaceBytes, TmpBytes: l.TmpBytes, Inodes: l.Inodes, Pids: l.Pids, OpenFiles: l.OpenFiles}, int(uid), int(gid))
+	var rlimits []string
+	for _, r := range plan.Rlimits {
+		rlimits = append(rlimits, r.Name+"="+strconv.FormatUint(r.Value, 10))
+	}
 	seccomp := &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault}
 	if c.SeccompProfile != "" {
 		p := c.SeccompProfile
@@ -107,6 +157,7 @@ func buildPod(c podConfig) *corev1.Pod {
 		LabelComponent: "box",
 		LabelReplica:   labelValue(c.Replica),
 		LabelBox:       labelValue(c.BoxID),
+		LabelUID:       strconv.FormatInt(uid, 10),
 	}
 	ann := map[string]string{AnnotationBoxID: c.BoxID}
 	if !c.Expires.IsZero() {
@@ -144,10 +195,6 @@ func buildPod(c podConfig) *corev1.Pod {
 			DNSPolicy:                     corev1.DNSNone,
 			DNSConfig:                     &corev1.PodDNSConfig{Nameservers: []string{"127.0.0.1"}},
 			SecurityContext: &corev1.PodSecurityContext{
-				RunAsNonRoot:   &t,
-				RunAsUser:      &uid,
-				RunAsGroup:     &gid,
-				FSGroup:        &gid,
 				SeccompProfile: seccomp,
 			},
 			Containers: []corev1.Container{{
@@ -155,7 +202,10 @@ func buildPod(c podConfig) *corev1.Pod {
 				Image:           c.Image,
 				ImagePullPolicy: c.PullPolicy,
 				Command: []string{guestinit.AgentPath, "-await-host", "-workspace=" + boxplan.Workspace,
-					"-preload=" + strings.Join(c.Preload, ",")},
+					"-preload=" + strings.Join(c.Preload, ","),
+					"-uid=" + strconv.FormatInt(uid, 10), "-gid=" + strconv.FormatInt(gid, 10),
+					"-code-rlimits=" + strings.Join(rlimits, ","),
+					"-code-oom-score-adj=" + strconv.Itoa(codeOOMScoreAdj)},
 				Env:        env,
 				WorkingDir: boxplan.Workspace,
 				Stdin:      true,
@@ -163,13 +213,12 @@ func buildPod(c podConfig) *corev1.Pod {
 				TTY:        false,
 				Resources:  corev1.ResourceRequirements{Limits: limits, Requests: requests},
 				SecurityContext: &corev1.SecurityContext{
-					RunAsNonRoot:             &t,
-					RunAsUser:                &uid,
-					RunAsGroup:               &gid,
+					RunAsUser:                &root,
+					RunAsGroup:               &root,
 					Privileged:               &f,
 					AllowPrivilegeEscalation: &f,
 					ReadOnlyRootFilesystem:   &t,
-					Capabilities:             &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}},
+					Capabilities:             &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}, Add: capsFor(c.RuntimeClass)},
 					SeccompProfile:           seccomp,
 					ProcMount:                nil,
 				},

@@ -3,6 +3,7 @@ package kubernetes
 import (
 	"encoding/json"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -24,7 +25,7 @@ func testPod(t *testing.T, edit func(*podConfig)) *corev1.Pod {
 		Name: "kiln-box-1-abcd", Namespace: "ns", BoxID: "box/1", Image: "reg:5000/kiln/box:1",
 		PullPolicy: corev1.PullIfNotPresent, SeccompProfile: "kiln/box.json",
 		Limits:  sandbox.Limits{MemoryBytes: 256 << 20, CPUs: 0.5}.WithDefaults(),
-		Preload: []string{"numpy"}, Replica: "r1", UID: 1000, GID: 1000,
+		Preload: []string{"numpy"}, Replica: "r1", UID: 1000000123, GID: 1000000123,
 		Owner: &metav1.OwnerReference{APIVersion: "coordination.k8s.io/v1", Kind: "Lease", Name: "kiln-replica-r1", UID: "u1"},
 	}
 	if edit != nil {
@@ -55,32 +56,52 @@ func TestPodHardening(t *testing.T) {
 	}
 	c := s.Containers[0]
 	sc := c.SecurityContext
+	// The agent runs as root with the few capabilities it needs to start
+	// code as the box's own uid and to stop it; code runs as that uid.
 	switch {
 	case sc == nil:
 		t.Fatal("no container securityContext")
-	case sc.RunAsNonRoot == nil || !*sc.RunAsNonRoot:
-		t.Error("runAsNonRoot is not set")
-	case sc.RunAsUser == nil || *sc.RunAsUser == 0:
-		t.Error("runs as root")
+	case sc.RunAsUser == nil || *sc.RunAsUser != 0 || sc.RunAsGroup == nil || *sc.RunAsGroup != 0:
+		t.Error("the agent does not run as root: it could not start code as another uid")
+	case sc.RunAsNonRoot != nil && *sc.RunAsNonRoot:
+		t.Error("runAsNonRoot is set on a root agent")
 	case sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem:
 		t.Error("the root filesystem is writable")
 	case sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation:
 		t.Error("privilege escalation is allowed")
 	case sc.Privileged == nil || *sc.Privileged:
 		t.Error("privileged")
-	case sc.Capabilities == nil || len(sc.Capabilities.Add) != 0 || len(sc.Capabilities.Drop) != 1 || sc.Capabilities.Drop[0] != "ALL":
-		t.Errorf("capabilities %+v, want drop ALL and add none", sc.Capabilities)
+	case sc.Capabilities == nil || len(sc.Capabilities.Drop) != 1 || sc.Capabilities.Drop[0] != "ALL":
+		t.Errorf("capabilities %+v, want drop ALL", sc.Capabilities)
+	case !slices.Equal(sc.Capabilities.Add, []corev1.Capability{"KILL", "SETGID", "SETUID"}):
+		t.Errorf("capabilities added %v, want KILL SETGID SETUID only", sc.Capabilities.Add)
 	case sc.SeccompProfile == nil || sc.SeccompProfile.Type != corev1.SeccompProfileTypeLocalhost || *sc.SeccompProfile.LocalhostProfile != "kiln/box.json":
 		t.Errorf("seccomp %+v, want Localhost kiln/box.json", sc.SeccompProfile)
 	}
-	if ps := s.SecurityContext; ps == nil || ps.RunAsNonRoot == nil || !*ps.RunAsNonRoot || ps.SeccompProfile == nil {
-		t.Error("the Pod's securityContext does not require non-root with a seccomp profile")
+	if ps := s.SecurityContext; ps == nil || ps.SeccompProfile == nil || ps.FSGroup != nil || ps.RunAsUser != nil {
+		t.Errorf("the Pod's securityContext %+v: want a seccomp profile and no user or fsGroup (code's uid is the agent's business)", ps)
+	}
+	cmd := strings.Join(c.Command, " ")
+	for _, arg := range []string{"-uid=1000000123", "-gid=1000000123", "-code-oom-score-adj=1000",
+		"-code-rlimits=RLIMIT_CORE=0,RLIMIT_NOFILE=1024,RLIMIT_NPROC=" + strconv.Itoa(sandbox.DefaultLimits.Pids)} {
+		if !slices.Contains(c.Command, arg) {
+			t.Errorf("the agent is not started with %s: %s", arg, cmd)
+		}
+	}
+	if p.Labels[LabelUID] != "1000000123" {
+		t.Errorf("the code's uid is not on the Pod for other replicas to avoid: labels %v", p.Labels)
 	}
 	if c.Command[0] != "/sbin/kiln-agent" || !c.Stdin || c.TTY || c.StdinOnce {
 		t.Errorf("the agent is not the first process on a kept-open stdin: %v stdin=%v once=%v tty=%v", c.Command, c.Stdin, c.StdinOnce, c.TTY)
 	}
-	if !strings.Contains(strings.Join(c.Command, " "), "-await-host") {
+	if !strings.Contains(cmd, "-await-host") {
 		t.Error("the agent does not wait for the host's attach before its hello")
+	}
+	if q := testPod(t, func(c *podConfig) { c.UID, c.GID = 0, 0 }); !slices.Contains(q.Spec.Containers[0].Command, "-uid=65534") {
+		t.Errorf("a config without a uid runs code as %v", q.Spec.Containers[0].Command)
+	}
+	if q := testPod(t, func(c *podConfig) { c.RuntimeClass = "gvisor" }); !slices.Equal(q.Spec.Containers[0].SecurityContext.Capabilities.Add, []corev1.Capability{"CHOWN", "DAC_OVERRIDE", "KILL", "SETGID", "SETUID"}) {
+		t.Errorf("under gVisor the agent's capabilities are %v: where it cannot take code's file ids it needs CHOWN and DAC_OVERRIDE", q.Spec.Containers[0].SecurityContext.Capabilities.Add)
 	}
 	// Limits; memory and storage requested as much as their limits.
 	lim := c.Resources.Limits

@@ -119,7 +119,8 @@ func shapeOf(c podConfig) string {
 	return hex.EncodeToString(h[:])[:40]
 }
 
-// podConfig is the Pod of the box spec asks for, on this replica.
+// podConfig is the Pod of the box spec asks for, on this replica, less its
+// uid (withOwnUID), drawn only for a Pod that is made.
 func (b *Backend) podConfig(spec sandbox.Spec) podConfig {
 	b.mu.Lock()
 	lease := b.lease
@@ -136,8 +137,6 @@ func (b *Backend) podConfig(spec sandbox.Spec) podConfig {
 		Preload:        spec.Preload,
 		Replica:        b.opts.Replica,
 		Owner:          leaseOwner(lease),
-		UID:            b.opts.UID,
-		GID:            b.opts.GID,
 	}
 	if b.opts.TTL > 0 {
 		c.Expires = time.Now().Add(b.opts.TTL)
@@ -407,6 +406,11 @@ func (b *Backend) refill(ctx context.Context) {
 		b.mu.Lock()
 		c.Owner = leaseOwner(b.lease)
 		b.mu.Unlock()
+		c, err := b.withOwnUID(ctx, c)
+		if err != nil {
+			b.log.Warn("making a warm pool Pod", "err", err)
+			return
+		}
 		pod := buildPod(c)
 		pod.Labels[LabelPool] = shape
 		pod.Annotations[annotationPoolExpires] = now.Add(b.opts.PoolMaxAge).UTC().Format(time.RFC3339)

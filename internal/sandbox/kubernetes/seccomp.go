@@ -27,10 +27,16 @@ import (
 // (/var/lib/kubelet/seccomp), at the path the backend is given
 // (--k8s-seccomp-profile); `kiln k8s seccomp-profile` prints it.
 //
-// Under runc the filter covers kiln-agent too (it is the container's first
-// process); the agent needs nothing the policy refuses, since on Kubernetes
-// it runs as the code's own non-root user and changes no ids. Under gVisor
-// runsc applies it inside its kernel.
+// Under runc the runtime installs the filter before the container's first
+// process, kiln-agent, starts, and everything the agent starts inherits it:
+// code runs under exactly this policy (the agent adds no filter of its own
+// on Kubernetes). The agent needs nothing the policy refuses: it runs as
+// root and starts code as the box's uid through setgroups, setgid and
+// setuid, takes code's file ids with setfsuid and setfsgid, empties its
+// inheritable capabilities (capset), makes itself non-dumpable (prctl
+// PR_SET_DUMPABLE) and sets rlimits, all allowed to code as well (code has
+// no capability that would make them matter). Under gVisor runsc applies
+// the profile inside its kernel.
 func SeccompProfile() []byte {
 	eperm := uint(syscall.EPERM)
 	enosys := uint(syscall.ENOSYS)
