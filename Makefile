@@ -1,6 +1,9 @@
 # kiln — build, run, test. Everything static, no cgo (the agent must run in
 # any rootfs, and the jail's init uses all-thread syscalls).
 export CGO_ENABLED := 0
+# `make -C <dir> run` must not print "Entering directory" on the stdout
+# that is the MCP client's.
+MAKEFLAGS += --no-print-directory
 GO      ?= go
 BIN     := bin
 APT_RUNTIME := python3 python3-numpy python3-pandas python3-matplotlib python3-dill
@@ -11,31 +14,42 @@ APT_TEST    := iproute2 nftables curl qemu-system-x86 debootstrap e2fsprogs syst
 all: build
 
 build:
-	$(GO) build -o $(BIN)/ ./cmd/kiln ./cmd/kiln-agent
+	@$(GO) build -o $(BIN)/ ./cmd/kiln ./cmd/kiln-agent >&2
 
 # The sandbox's Python runtime comes from Debian (the host's /usr is what
-# the jail binds read-only into every box).
-deps-runtime:
-	@missing=$$(for p in $(APT_RUNTIME); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+# the jail binds read-only into every box). Nothing here writes to stdout
+# or reads stdin: `make run` is what an MCP client starts, and its stdout
+# and stdin are the protocol's. Without root nothing is installed: the
+# exact command to run is printed, and make stops.
+define apt_need
+@missing=$$(for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
-		echo "installing $$missing"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+		missing=$$(echo $$missing); \
+		if [ "$$(id -u)" != 0 ]; then \
+			echo "kiln needs Debian packages that are not installed; run:" >&2; \
+			echo "  sudo apt-get install $$missing" >&2; \
+			exit 1; \
+		fi; \
+		echo "installing $$missing" >&2; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; } </dev/null >&2; \
 	fi
+endef
+
+deps-runtime:
+	$(call apt_need,$(APT_RUNTIME))
 
 deps-test: deps-runtime
-	@missing=$$(for p in $(APT_TEST); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
-	if [ -n "$$missing" ]; then \
-		echo "installing $$missing"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
-	fi
+	$(call apt_need,$(APT_TEST))
 	cd e2e && npm ci --no-audit --no-fund --loglevel=error
 	cd e2e/conformance && npm ci --no-audit --no-fund --loglevel=error
 
 deps: deps-runtime
 
 # The main job: kiln as an MCP server on stdio, on the jail backend.
+# make prints nothing of its own here: its recipes are silent, and
+# --no-print-directory (above) keeps "Entering directory" off stdout under -C.
 run: deps-runtime build
-	exec $(BIN)/kiln mcp
+	@exec $(BIN)/kiln mcp
 
 serve: deps-runtime build
 	exec $(BIN)/kiln serve --addr 127.0.0.1:8080

@@ -4,7 +4,9 @@
 
 import { describe, it } from 'node:test';
 import assert from 'node:assert/strict';
-import { spawn } from 'node:child_process';
+import { spawn, spawnSync } from 'node:child_process';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
 
 import { KILN, BASE_FLAGS, skip } from './helpers.mjs';
 
@@ -105,5 +107,61 @@ describe('stdio framing', { skip }, () => {
       assert.equal(msg.jsonrpc, '2.0', `stdout line ${n + 1} is not JSON-RPC: ${line.slice(0, 120)}`);
       assert.ok('id' in msg || 'method' in msg, `stdout line ${n + 1} is neither a response nor a request/notification`);
     }
+  });
+});
+
+// `make run` is what the README tells a newcomer to start: the client's
+// first line must reach kiln (make reads no stdin) and kiln's frames must
+// be all of stdout (make, go build and apt print on stderr, or nothing).
+describe('make run', { skip }, () => {
+  const repo = path.join(path.dirname(fileURLToPath(import.meta.url)), '..');
+
+  it('puts only MCP frames on stdout, from the first byte', async () => {
+    const proc = spawn('make', ['run'], { cwd: repo, stdio: ['pipe', 'pipe', 'pipe'] });
+    const stdout = [];
+    const stderr = [];
+    proc.stderr.on('data', (d) => stderr.push(d));
+    const exited = new Promise((resolve) => proc.on('exit', (code, signal) => resolve({ code, signal })));
+    const answered = new Promise((resolve, reject) => {
+      const t = setTimeout(() => reject(new Error(`no answer to initialize in 180s; stderr:\n${Buffer.concat(stderr)}`)), 180_000);
+      proc.stdout.on('data', (d) => {
+        stdout.push(d);
+        if (Buffer.concat(stdout).includes('\n')) {
+          clearTimeout(t);
+          resolve();
+        }
+      });
+    });
+    // Sent at once, before make has built anything: a make or apt that
+    // read stdin would swallow it.
+    proc.stdin.write(JSON.stringify({ jsonrpc: '2.0', id: 1, method: 'initialize', params: { protocolVersion: '2025-06-18', capabilities: {}, clientInfo: { name: 'kiln-e2e-make', version: '0.0.0' } } }) + '\n');
+    try {
+      await answered;
+    } finally {
+      proc.stdin.end();
+      const t = setTimeout(() => proc.kill('SIGKILL'), 15_000);
+      await exited;
+      clearTimeout(t);
+    }
+    const all = Buffer.concat(stdout).toString();
+    const first = all.split('\n')[0];
+    let msg;
+    assert.doesNotThrow(() => (msg = JSON.parse(first)), `stdout starts with something else than a frame: ${JSON.stringify(all.slice(0, 200))}`);
+    assert.equal(msg.id, 1);
+    assert.equal(msg.result?.serverInfo?.name, 'kiln', `the first frame: ${first.slice(0, 200)}; stderr:\n${Buffer.concat(stderr)}`);
+    for (const line of all.split('\n').slice(0, -1)) assert.doesNotThrow(() => JSON.parse(line), `stdout line is not JSON: ${line.slice(0, 120)}`);
+  });
+
+  it('as an ordinary user with packages missing: prints the sudo line on stderr, installs nothing, stops', async (t) => {
+    // The control: setpriv is what makes the ordinary user here.
+    const probe = spawnSync('setpriv', ['--reuid=65534', '--regid=65534', '--clear-groups', 'id', '-u']);
+    if (probe.status !== 0 || probe.stdout.toString().trim() !== '65534') {
+      t.skip(`setpriv cannot make an ordinary user here: ${probe.error ?? probe.stderr}`);
+      return;
+    }
+    const r = spawnSync('setpriv', ['--reuid=65534', '--regid=65534', '--clear-groups', 'make', '-f', path.join(repo, 'Makefile'), 'deps-runtime', 'APT_RUNTIME=python3 kiln-e2e-absent-package'], { cwd: '/', input: 'a client line\n' });
+    assert.notEqual(r.status, 0, 'make went on without the package');
+    assert.equal(r.stdout.toString(), '', 'make wrote to stdout');
+    assert.match(r.stderr.toString(), /sudo apt-get install kiln-e2e-absent-package\n/);
   });
 });

@@ -85,7 +85,7 @@ func (s *Server) startJob(ctx context.Context, req *mcp.CallToolRequest, lang se
 		if derr != nil {
 			return toolError("%v", derr), nil, nil
 		}
-		job, err = s.mgr.StartOnce(principal(req), lang, code, staged, timeout)
+		job, err = s.mgr.StartOnce(ctx, principal(req), lang, code, staged, timeout)
 	} else {
 		if len(files) > 0 {
 			return toolError("\"files\" is for per-call mode; in a session, use write_file"), nil, nil

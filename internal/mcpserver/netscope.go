@@ -9,16 +9,21 @@ import (
 	"kiln/internal/session"
 )
 
-// netScoped marks the context of a call whose client may not use the
-// network: with Options.NetScope set, a call whose token lacks that scope
-// (or that carries no token at all) runs in a box cut off from the
-// network, whatever --allow-net says.
-func (s *Server) netScoped(ctx context.Context, req *mcp.CallToolRequest) context.Context {
-	if s.opts.NetScope == "" {
-		return ctx
+// netScoped marks the context of every request whose client may not use
+// the network, whatever the method (a tool call, resources/read, which
+// wakes a hibernated session, and any method added later): with
+// Options.NetScope set, a request whose token lacks that scope (or that
+// carries no token at all) gets boxes cut off from the network, whatever
+// --allow-net says. The session layer applies the mark where a box is
+// acquired (session/offline.go).
+func (s *Server) netScoped(next mcp.MethodHandler) mcp.MethodHandler {
+	return func(ctx context.Context, method string, req mcp.Request) (mcp.Result, error) {
+		if s.opts.NetScope == "" {
+			return next(ctx, method, req)
+		}
+		if extra := req.GetExtra(); extra != nil && extra.TokenInfo != nil && slices.Contains(extra.TokenInfo.Scopes, s.opts.NetScope) {
+			return next(ctx, method, req)
+		}
+		return next(session.Offline(ctx), method, req)
 	}
-	if req != nil && req.Extra != nil && req.Extra.TokenInfo != nil && slices.Contains(req.Extra.TokenInfo.Scopes, s.opts.NetScope) {
-		return ctx
-	}
-	return session.Offline(ctx)
 }

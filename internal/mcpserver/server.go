@@ -59,7 +59,7 @@ func New(opts Options) *Server {
 		Instructions: s.instructions(),
 		Logger:       opts.Logger,
 	})
-	s.mcp.AddReceivingMiddleware(undeclared)
+	s.mcp.AddReceivingMiddleware(undeclared, s.netScoped)
 	s.res = newResStore(opts.Manager, opts.Resources)
 	s.addTools()
 	s.addResources()
@@ -182,7 +182,7 @@ func guard[In any](s *Server, h mcp.ToolHandlerFor[In, any], sessionOf func(In) 
 			}
 			res, out, err = toolError("kiln faulted while handling this call (%v); %s", v, what), nil, nil
 		}()
-		return h(s.netScoped(ctx, req), req, args)
+		return h(ctx, req, args)
 	}
 }
 

@@ -35,7 +35,12 @@ func (m *Manager) adopt(ctx context.Context, s *Session) sandbox.Sandbox {
 		return nil
 	}
 	m.log.Info("continuing a session in the box another replica made", "session", s.name, "box", box.ID())
-	return &countedBox{Sandbox: box, release: m.slots.release}
+	counted, err := cutOrClose(ctx, &countedBox{Sandbox: box, release: m.slots.release})
+	if err != nil {
+		m.log.Warn("cutting an adopted box off the network; it was destroyed", "session", s.name, "err", err)
+		return nil
+	}
+	return counted
 }
 
 // bind records that box holds s, for the replicas that may adopt it.

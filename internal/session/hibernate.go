@@ -628,7 +628,11 @@ func (m *Manager) restoreBox(ctx context.Context, dir string) (sandbox.Sandbox, 
 		m.slots.release()
 		return nil, nil, err
 	}
-	return &countedBox{Sandbox: box, release: m.slots.release}, append(dropped, report.Dropped...), nil
+	counted, err := cutOrClose(ctx, &countedBox{Sandbox: box, release: m.slots.release})
+	if err != nil {
+		return nil, nil, err
+	}
+	return counted, append(dropped, report.Dropped...), nil
 }
 
 // hasSaved reports whether the principal's session has state on disk.

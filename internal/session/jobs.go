@@ -320,7 +320,11 @@ func (t *jobTable) expire(retention time.Duration) {
 // the principal is at the cap, the oldest finished job whose result a
 // poll has already returned makes room; if there is none, the job is
 // refused.
-func (m *Manager) newJob(principal, sessionName string) (*Job, context.Context, error) {
+//
+// The job's context is the server's, not the request's, which ends when
+// the request does; it carries what of the request governs its box: the
+// Offline mark.
+func (m *Manager) newJob(req context.Context, principal, sessionName string) (*Job, context.Context, error) {
 	t := &m.jobs
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -356,6 +360,9 @@ func (m *Manager) newJob(principal, sessionName string) (*Job, context.Context, 
 	ctx, cancel := context.WithCancelCause(t.base)
 	j.cancel = cancel
 	ctx = sandbox.WithOutput(ctx, j.update)
+	if IsOffline(req) {
+		ctx = Offline(ctx)
+	}
 	t.byID[j.id] = j
 	t.wg.Add(1)
 	return j, ctx, nil
@@ -437,7 +444,7 @@ func (s *Session) Start(ctx context.Context, lang Language, code string, timeout
 	if timeout <= 0 {
 		timeout = s.m.opts.Jobs.MaxTime
 	}
-	j, jctx, err := s.m.newJob(s.principal, s.name)
+	j, jctx, err := s.m.newJob(ctx, s.principal, s.name)
 	if err != nil {
 		s.release()
 		return nil, err
@@ -489,11 +496,11 @@ func (s *Session) Start(ctx context.Context, lang Language, code string, timeout
 // StartOnce runs code as a background job in a never-used box
 // (per-call mode), which is destroyed when the job ends; the files the
 // job wrote come back with its result.
-func (m *Manager) StartOnce(principal string, lang Language, code string, files map[string][]byte, timeout time.Duration) (*Job, error) {
+func (m *Manager) StartOnce(ctx context.Context, principal string, lang Language, code string, files map[string][]byte, timeout time.Duration) (*Job, error) {
 	if timeout <= 0 {
 		timeout = m.opts.Jobs.MaxTime
 	}
-	j, jctx, err := m.newJob(principal, "")
+	j, jctx, err := m.newJob(ctx, principal, "")
 	if err != nil {
 		return nil, err
 	}

@@ -279,7 +279,7 @@ func TestJobShutdown(t *testing.T) {
 // the files it wrote come back with its result.
 func TestJobPerCall(t *testing.T) {
 	mgr, b := withPython(t, session.Options{Mode: session.ModePerCall})
-	j, err := mgr.StartOnce("local", session.Shell, "sleep 0.3; echo made > out.txt; echo ok", nil, 0)
+	j, err := mgr.StartOnce(context.Background(), "local", session.Shell, "sleep 0.3; echo made > out.txt; echo ok", nil, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -332,7 +332,7 @@ func TestJobObserved(t *testing.T) {
 				err error
 			)
 			if mode == session.ModePerCall {
-				j, err = mgr.StartOnce("alice", session.Shell, "echo job-ran", nil, 0)
+				j, err = mgr.StartOnce(context.Background(), "alice", session.Shell, "echo job-ran", nil, 0)
 			} else {
 				s, _ := mgr.Get("alice", "obs")
 				j, err = s.Start(context.Background(), session.Shell, "echo job-ran", 0)

@@ -45,6 +45,10 @@ func (s *Session) WithLiveBox(ctx context.Context, f func(sandbox.Sandbox) error
 	if box == nil || !alive(box) {
 		return ErrNoBox
 	}
+	if err := cutIfOffline(ctx, box); err != nil {
+		s.drop(box)
+		return err
+	}
 	err := f(box)
 	if s.isClosed() {
 		return ErrReset

@@ -23,6 +23,22 @@ func IsOffline(ctx context.Context) bool {
 	return off
 }
 
+// The mark is applied where a box is acquired, not by the tools: getBox,
+// restoreBox and adopt cut a box before anything is loaded into it, and a
+// session's live box is cut on the turn of the call that reaches it
+// (ensure, WithLiveBox). Jobs copy the mark of the request that started
+// them (newJob), since they run on the server's context.
+
+// cutOrClose returns box cut off the network when ctx is offline, or
+// destroys it if it cannot be cut.
+func cutOrClose(ctx context.Context, box sandbox.Sandbox) (sandbox.Sandbox, error) {
+	if err := cutIfOffline(ctx, box); err != nil {
+		box.Close()
+		return nil, err
+	}
+	return box, nil
+}
+
 // cutIfOffline cuts box's network when ctx is offline. Boxes that cannot
 // be cut have no network to cut: only the jail attaches boxes to the
 // egress gateway, and the other backends refuse an allowlist.

@@ -77,9 +77,6 @@ func (m *Manager) RunOnce(ctx context.Context, lang Language, code string, files
 	if !m.running(box) {
 		return nil, nil, ErrShutdown
 	}
-	if err := cutIfOffline(ctx, box); err != nil {
-		return nil, nil, err
-	}
 	paths := make([]string, 0, len(files))
 	for p := range files {
 		paths = append(paths, p)

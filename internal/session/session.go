@@ -302,14 +302,18 @@ func (m *Manager) Get(principal, name string) (*Session, error) {
 // per-call calls, in the pool, or still being destroyed.
 func (m *Manager) LiveBoxes() int { return m.slots.inUse() }
 
-// getBox takes a fresh box under the cap on live boxes.
+// getBox takes a fresh box under the cap on live boxes, cut off from the
+// network first when ctx is Offline (before any state is loaded into it).
 func (m *Manager) getBox(ctx context.Context) (sandbox.Sandbox, error) {
 	box, err := m.pool.get(ctx, m.opts.BoxWait)
 	if errors.Is(err, errNoSlot) {
 		m.log.Warn("refused a call: every sandbox is in use", "max_boxes", m.opts.MaxBoxes, "waited", m.opts.BoxWait)
 		return nil, &BusyError{Max: m.opts.MaxBoxes, Wait: m.opts.BoxWait, Mode: m.opts.Mode}
 	}
-	return box, err
+	if err != nil {
+		return nil, err
+	}
+	return cutOrClose(ctx, box)
 }
 
 // Reset destroys the principal's session called name, if it exists. It
@@ -523,6 +527,10 @@ func (s *Session) ensure(ctx context.Context) (box sandbox.Sandbox, fresh bool, 
 	s.mu.Unlock()
 	switch {
 	case box != nil && alive(box):
+		if err := cutIfOffline(ctx, box); err != nil {
+			s.drop(box)
+			return nil, false, "", err
+		}
 		return box, false, "", nil
 	case box != nil:
 		if lost = faultReason(box); lost == "" {
@@ -593,10 +601,6 @@ func (s *Session) exec(ctx context.Context, timeout time.Duration, run runFunc) 
 	if err != nil {
 		return nil, err
 	}
-	if err := cutIfOffline(ctx, box); err != nil {
-		s.drop(box)
-		return nil, err
-	}
 	out, err := s.m.runBounded(ctx, box, timeout, run)
 	if s.isClosed() {
 		return nil, ErrReset // its box was destroyed under it
@@ -614,10 +618,6 @@ func (s *Session) WithBox(ctx context.Context, f func(sandbox.Sandbox) error) er
 	defer s.release()
 	box, _, _, err := s.ensure(ctx)
 	if err != nil {
-		return err
-	}
-	if err := cutIfOffline(ctx, box); err != nil {
-		s.drop(box)
 		return err
 	}
 	err = f(box)

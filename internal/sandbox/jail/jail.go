@@ -27,7 +27,8 @@ type Options struct {
 	Self string
 	// Python is the interpreter inside the box. Default /usr/bin/python3.
 	Python string
-	// StateDir holds per-box mount points. Default: os.TempDir()/kiln-jail.
+	// StateDir holds per-box mount points. Default: boxkit.StateDir's
+	// "kiln-jail" (root's os.TempDir()/kiln-jail; a user's own otherwise).
 	StateDir string
 	// Env is added to every box's environment.
 	Env []string

@@ -80,19 +80,19 @@ func New(opts Options) (*Backend, error) {
 	if opts.Python == "" {
 		opts.Python = "/usr/bin/python3"
 	}
-	if opts.StateDir == "" {
-		opts.StateDir = os.TempDir() + "/kiln-jail"
-	}
 	if err := prepareTemplate(&opts); err != nil {
 		return nil, err
 	}
 	// Box roots are uids no one has: they must be able to traverse to
 	// their mount point (and nothing else lives here).
-	if err := os.MkdirAll(opts.StateDir, 0o711); err != nil {
-		return nil, fmt.Errorf("creating state dir: %w", err)
-	}
-	if err := os.Chmod(opts.StateDir, 0o711); err != nil {
-		return nil, fmt.Errorf("creating state dir: %w", err)
+	if opts.StateDir == "" {
+		dir, err := boxkit.StateDir("kiln-jail", 0o711)
+		if err != nil {
+			return nil, err
+		}
+		opts.StateDir = dir
+	} else if err := boxkit.OwnDir(opts.StateDir, 0o711); err != nil {
+		return nil, err
 	}
 	b := &Backend{opts: opts, log: opts.Logger, rootless: os.Getuid() != 0}
 	b.cgroups, b.cgErr = detectCgroups(opts.AllBoxes)
