@@ -105,7 +105,7 @@ fuzz:
 	done
 
 runsc:
-	KILN_TEST_GVISOR=1 $(GO) test ./internal/sandbox/gvisor -run '^TestEnsureRunsc$$' -count=1
+	KILN_TEST_GVISOR=1 $(GO) test ./internal/sandbox/gvisor -run '^TestEnsureRunsc$$' -count=1 -timeout 30m
 
 # The wasm backend's pinned Deno and Pyodide, fetched with npm into kiln's
 # cache and checked against their pinned sha512 (about 50 MB).

@@ -44,8 +44,8 @@ func TestCommitLoadListRemove(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if fi, _ := os.Stat(st.Files()); fi.Mode().Perm() != 0o777 {
-		t.Errorf("stage files dir mode %v, want 0777 while the setup runs", fi.Mode().Perm())
+	if fi, _ := os.Stat(st.Files()); fi.Mode().Perm() != 0o700 {
+		t.Errorf("stage files dir mode %v, want 0700 until the setup's box is handed it", fi.Mode().Perm())
 	}
 	os.MkdirAll(filepath.Join(st.Files(), "python", "pkg"), 0o777)
 	os.WriteFile(filepath.Join(st.Files(), "python", "pkg", "__init__.py"), []byte("X = 1\n"), 0o666)

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"kiln/internal/agentproto"
+	"kiln/internal/boxtemplate"
 	"kiln/internal/sandbox"
 	"kiln/internal/sandbox/boxkit"
 )
@@ -161,6 +162,14 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 		return nil, errors.New("creating gvisor box: empty sandbox ID")
 	}
 	s := b.spec(spec)
+	if b.opts.TemplateWritable {
+		// The setup's box alone may write the template's files: they are
+		// its code user's (boxtemplate.Stage), whose files the gofer
+		// makes in the box's name.
+		if err := boxtemplate.HandTo(b.opts.Template, int(b.opts.UID), int(b.opts.GID)); err != nil {
+			return nil, err
+		}
+	}
 	if !b.opts.Cold {
 		if tt := b.tpls.Ready(b.templateKey(s), b.buildTemplate(s)); tt != nil {
 			sb, err := b.restore(ctx, spec.ID, s, tt.Value)

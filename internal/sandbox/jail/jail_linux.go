@@ -20,6 +20,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"kiln/internal/boxtemplate"
 	"kiln/internal/egress"
 	"kiln/internal/sandbox"
 	"kiln/internal/sandbox/boxkit"
@@ -173,6 +174,13 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (_ sandbox.Sand
 		return nil, err
 	}
 	defer proc.cfg.Close()
+	if b.opts.TemplateWritable && !b.rootless {
+		// The setup's box alone may write the template's files: they
+		// are its code user's (boxtemplate.Stage).
+		if err := boxtemplate.HandTo(b.opts.Template, proc.owner+boxplan.UID, proc.owner+boxplan.GID); err != nil {
+			return nil, err
+		}
+	}
 
 	if cg != nil {
 		if err := cg.Add(proc.cmd.Process.Pid); err != nil {
@@ -225,6 +233,7 @@ type boxInit struct {
 	cfg    *os.File // where the init reads its configuration; the caller closes it
 	stderr *tailBuffer
 	waited chan struct{} // closed once the init is reaped
+	owner  int           // the host uid (and gid) of the box's root
 }
 
 // startInit starts a box's init (this executable, InitArg) in new
@@ -282,7 +291,7 @@ func (b *Backend) startInit(cl *boxkit.Cleanup) (_ *boxInit, err error) {
 		return nil
 	}
 	cl.Add(kill)
-	return &boxInit{cmd: cmd, host: host, cfg: cfgW, stderr: stderr, waited: waited}, nil
+	return &boxInit{cmd: cmd, host: host, cfg: cfgW, stderr: stderr, waited: waited, owner: owner}, nil
 }
 
 // procAttr is how the box's init starts, and the host uid that owns its
