@@ -36,13 +36,10 @@ try:
 except OSError as e:
     print("refused", e)`
 
-// TestNetScopeEveryPath: a token without kiln:net gets no network on any
-// path that makes or wakes a box, not only in a foreground run_python: a
-// background job (session and per-call), fork_session and restore_session
-// (whose new box loads model-chosen state), a session resumed from
-// hibernation, and resources/read, which wakes a hibernated session. The
-// control is the same path with kiln:net, which must resolve the name.
-func TestNetScopeEveryPath(t *testing.T) {
+// netScopeJail is a jail whose boxes may reach allowed.test (192.0.2.10)
+// through a real egress gateway; the test skips where it cannot run.
+func netScopeJail(t *testing.T) *jail.Backend {
+	t.Helper()
 	if os.Getuid() != 0 {
 		t.Skip("needs root for the jail backend and the egress gateway")
 	}
@@ -63,7 +60,17 @@ func TestNetScopeEveryPath(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { b.Close() })
+	return b
+}
 
+// TestNetScopeEveryPath: a token without kiln:net gets no network on any
+// path that makes or wakes a box, not only in a foreground run_python: a
+// background job (session and per-call), fork_session and restore_session
+// (whose new box loads model-chosen state), a session resumed from
+// hibernation, and resources/read, which wakes a hibernated session. The
+// control is the same path with kiln:net, which must resolve the name.
+func TestNetScopeEveryPath(t *testing.T) {
+	b := netScopeJail(t)
 	iss := oauthtest.New(t)
 	var h http.Handler
 	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { h.ServeHTTP(w, r) }))

@@ -9,8 +9,6 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
-	"net/netip"
-	"os"
 	"strings"
 	"testing"
 	"time"
@@ -20,13 +18,10 @@ import (
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 	"github.com/modelcontextprotocol/go-sdk/oauthex"
 
-	"kiln/internal/egress"
 	"kiln/internal/mcpserver"
 	"kiln/internal/oauth"
 	"kiln/internal/oauth/oauthtest"
 	"kiln/internal/sandbox"
-	"kiln/internal/sandbox/jail"
-	"kiln/internal/sandbox/sandboxtest"
 	"kiln/internal/session"
 	"kiln/internal/session/sessiontest"
 )
@@ -239,31 +234,7 @@ func TestOAuthMetadata(t *testing.T) {
 // per-call mode; a session box a permitted call used is cut before an
 // unpermitted call of the same principal runs in it.
 func TestOAuthNetScope(t *testing.T) {
-	if os.Getuid() != 0 {
-		t.Skip("needs root for the jail backend and the egress gateway")
-	}
-	gw, err := egress.NewGateway(egress.Options{
-		Hosts:                map[string][]netip.Addr{"allowed.test": {netip.MustParseAddr("192.0.2.10")}},
-		TestOnlyAllowedAddrs: []netip.Prefix{netip.MustParsePrefix("192.0.2.0/24")},
-	})
-	if err != nil {
-		t.Skipf("egress gateway unavailable: %v", err)
-	}
-	t.Cleanup(func() { gw.Close() })
-	policy, err := egress.ParsePolicy("allowed.test")
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := jail.New(jail.Options{Agent: sandboxtest.BuildAgent(t), Egress: gw, Policy: policy})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { b.Close() })
-	const lookup = `import socket
-try:
-    print("resolved", socket.gethostbyname("allowed.test"))
-except OSError as e:
-    print("refused", e)`
+	b := netScopeJail(t)
 	for _, mode := range []session.Mode{session.ModeSession, session.ModePerCall} {
 		t.Run(string(mode), func(t *testing.T) {
 			mgr := session.NewManager(session.Options{Backend: b, Mode: mode, DefaultTimeout: 20 * time.Second, MaxOutput: 2000, Grace: time.Second})
@@ -292,7 +263,7 @@ except OSError as e:
 					t.Fatal(err)
 				}
 				defer cs.Close()
-				args := map[string]any{"code": lookup}
+				args := map[string]any{"code": lookupCode}
 				if mode == session.ModeSession {
 					args["session"] = "s"
 				}

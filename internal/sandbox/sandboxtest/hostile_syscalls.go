@@ -58,6 +58,14 @@ def call(entry, nr, args):
     r = libc.syscall(L(nr), *args)
     return r, ctypes.get_errno()
 
+def outcome(pid):
+    """What became of the child pid: ok, an errno name, or killed:N."""
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return "killed:%d" % os.WTERMSIG(status)
+    c = os.WEXITSTATUS(status)
+    return "ok" if c == 0 else errno.errorcode.get(c, "errno%d" % c)
+
 `
 
 // hostControl runs getpid through each entry in a plain process on the
@@ -71,13 +79,7 @@ for entry, nr in (("native", 39), ("i386", 20), ("x32", 39)):
     if pid == 0:
         r, e = call(entry, nr, ())
         os._exit(0 if r == os.getpid() else min(e, 255) or 254)
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        out = "killed:%d" % os.WTERMSIG(status)
-    else:
-        c = os.WEXITSTATUS(status)
-        out = "ok" if c == 0 else errno.errorcode.get(c, "errno%d" % c)
-    print(entry, out, flush=True)
+    print(entry, outcome(pid), flush=True)
 `
 
 // syscallProbe runs each call in a forked, single-threaded child (so
@@ -140,13 +142,7 @@ for name, (native, i386, x32, args) in calls.items():
             if r == 0 and name.startswith("clone"):
                 os._exit(0)  # the new process
             os._exit(0 if r >= 0 else min(e, 255) or 254)
-        _, status = os.waitpid(pid, 0)
-        if os.WIFSIGNALED(status):
-            out = "killed:%d" % os.WTERMSIG(status)
-        else:
-            c = os.WEXITSTATUS(status)
-            out = "ok" if c == 0 else errno.errorcode.get(c, "errno%d" % c)
-        print(entry, name, out, flush=True)
+        print(entry, name, outcome(pid), flush=True)
 `
 
 // hostEntries runs hostControl on the host once per test binary: entry
