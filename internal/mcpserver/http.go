@@ -83,7 +83,7 @@ func LoadTokens(envValue, file string) ([]Token, error) {
 
 // HTTPOptions configure the streamable HTTP endpoint.
 type HTTPOptions struct {
-	Tokens []Token     // empty: no authentication (loopback only; checked by ListenAndServe)
+	Tokens []Token     // empty: no authentication (loopback only; kiln serve checks with CheckListen)
 	OAuth  *OAuth      // set: OAuth 2.1 access tokens instead of Tokens
 	Limits *HTTPLimits // nil: DefaultHTTPLimits
 }
@@ -579,19 +579,41 @@ var ErrNoToken = errors.New("refusing to listen on a non-loopback address withou
 
 // CheckListen refuses a non-loopback address when there are no tokens.
 func CheckListen(addr string, toks []Token) error {
-	if len(toks) > 0 {
-		return nil
-	}
-	host, _, err := net.SplitHostPort(addr)
+	loopback, err := isLoopback(addr)
 	if err != nil {
-		return fmt.Errorf("parsing address %q: %w", addr, err)
+		return err
 	}
-	if host == "localhost" {
-		return nil
-	}
-	ip := net.ParseIP(host)
-	if ip == nil || !ip.IsLoopback() {
+	if len(toks) == 0 && !loopback {
 		return ErrNoToken
 	}
 	return nil
+}
+
+// isLoopback says whether addr (host:port) listens on loopback only.
+func isLoopback(addr string) (bool, error) {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false, fmt.Errorf("parsing address %q: %w", addr, err)
+	}
+	if host == "localhost" {
+		return true, nil
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback(), nil
+}
+
+// Guard applies the rule of /mcp to another listener of kiln's, at addr:
+// a non-loopback address without tokens is refused (ErrNoToken), and on a
+// non-loopback address with tokens h answers only requests that bear one
+// of them, as /mcp does. On loopback h is returned as it is: what may
+// reach loopback is the host's own users, the same trust /mcp gives a
+// loopback listener without tokens.
+func Guard(addr string, toks []Token, h http.Handler) (http.Handler, error) {
+	if err := CheckListen(addr, toks); err != nil {
+		return nil, err
+	}
+	if loopback, _ := isLoopback(addr); loopback {
+		return h, nil
+	}
+	return auth.RequireBearerToken(verifier(toks), nil)(h), nil
 }
