@@ -12,7 +12,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -22,6 +21,8 @@ import (
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 	"golang.org/x/net/netutil"
 	"golang.org/x/sync/semaphore"
+
+	"kiln/internal/config"
 )
 
 // Token is one accepted bearer token and the principal it names.
@@ -53,18 +54,11 @@ func LoadTokens(envValue, file string) ([]Token, error) {
 		add(envValue)
 	}
 	if file != "" {
-		f, err := os.Open(file)
+		f, err := config.OpenTrusted("token file", file, true)
 		if err != nil {
-			return nil, fmt.Errorf("reading token file: %w", err)
+			return nil, err
 		}
 		defer f.Close()
-		fi, err := f.Stat()
-		if err != nil {
-			return nil, fmt.Errorf("reading token file: %w", err)
-		}
-		if perm := fi.Mode().Perm(); perm&0o077 != 0 {
-			return nil, fmt.Errorf("token file %s is open to its group or others (mode %04o); make it private to its owner: chmod 600 %s", file, perm, file)
-		}
 		sc := bufio.NewScanner(f)
 		for sc.Scan() {
 			add(sc.Text())
