@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -255,3 +256,77 @@ func reverse(s string) string {
 }
 
 func quote(s string) string { return "'" + s + "'" }
+
+// TestEgressFloodBounded: a box that makes a hundred thousand refused
+// attempts cannot flush the log. Its first refusals are written in full,
+// the rest are counted into a summary record; the box's own exec record
+// written before the flood, another box's records and the allowed
+// attempt hidden in the flood all survive a rotation-bounded log.
+func TestEgressFloodBounded(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "audit.log")
+	// 64 KiB a file, two kept: the 36 MiB of the flood would rotate past
+	// everything many times over.
+	l := open(t, audit.Options{Path: path, MaxBytes: 64 << 10, Keep: 2})
+	at := time.Date(2026, 5, 1, 12, 0, 0, 0, time.UTC)
+	l.Observe(event.Exec{Time: at, Principal: "alice", Session: "work", Box: "flooder", Backend: "jail", Language: "python", Code: "first", Result: event.ResultOK})
+	l.Observe(event.Exec{Time: at, Principal: "bob", Session: "s", Box: "quiet", Backend: "jail", Language: "python", Code: "bob", Result: event.ResultOK})
+	const flood = 100_000
+	for i := range flood {
+		// 10 s of attempts, as measured.
+		when := at.Add(time.Duration(i) * (10 * time.Second / flood))
+		l.Observe(event.Egress{Time: when, Box: "flooder", Via: "dns", Name: fmt.Sprintf("n%d.evil.example", i), Verdict: event.VerdictRefuse, Reason: "not in the allowlist"})
+		if i == flood/2 {
+			l.Observe(event.Egress{Time: when, Box: "flooder", Via: "proxy", Name: "pypi.org", Port: 443, Verdict: event.VerdictAllow})
+			l.Observe(event.Egress{Time: when, Box: "quiet", Via: "dns", Name: "other.example", Verdict: event.VerdictRefuse, Reason: "not in the allowlist"})
+		}
+	}
+	end := at.Add(10 * time.Second)
+	l.Observe(event.Exec{Time: end, Principal: "alice", Session: "work", Box: "flooder", Backend: "jail", Language: "python", Code: "second", Result: event.ResultOK})
+	l.Close()
+
+	var recs []map[string]any
+	for _, p := range []string{path + ".2", path + ".1", path} {
+		if _, err := os.Stat(p); err == nil {
+			recs = append(recs, records(t, p)...)
+		}
+	}
+	var execs, refusals, allowed, quiet int
+	suppressed := 0.0
+	for _, r := range recs {
+		switch {
+		case r["type"] == "exec":
+			execs++
+		case r["type"] == "egress" && r["box"] == "quiet":
+			quiet++
+		case r["type"] == "egress" && r["verdict"] == "allow":
+			allowed++
+		case r["type"] == "egress":
+			refusals++
+		case r["type"] == "egress_suppressed" && r["box"] == "flooder" && r["verdict"] == "refuse":
+			n, _ := r["suppressed"].(float64)
+			suppressed += n
+		}
+	}
+	if execs != 3 || quiet != 1 || allowed != 1 {
+		t.Errorf("after the flood the log holds %d exec records (want 3), %d of the other box (want 1), %d allowed attempts (want 1)", execs, quiet, allowed)
+	}
+	if refusals == 0 || refusals > 100 {
+		t.Errorf("%d refusals of the flooding box written in full; want the first few, at most 100", refusals)
+	}
+	if int(suppressed)+refusals != flood {
+		t.Errorf("%d refusals written and %v counted as suppressed; want %d in all", refusals, suppressed, flood)
+	}
+	if len(recs) > 200 {
+		t.Errorf("the flood left %d records", len(recs))
+	}
+	// The summary comes before the box's next exec record.
+	last := -1
+	for i, r := range recs {
+		if r["type"] == "egress_suppressed" {
+			last = i
+		}
+	}
+	if n := len(recs); last < 0 || recs[n-1]["type"] != "exec" || last > n-2 {
+		t.Errorf("the suppressed refusals are not summed up before the box's exec record: last summary at %d of %d", last, n)
+	}
+}
