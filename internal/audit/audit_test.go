@@ -330,3 +330,25 @@ func TestEgressFloodBounded(t *testing.T) {
 		t.Errorf("the suppressed refusals are not summed up before the box's exec record: last summary at %d of %d", last, n)
 	}
 }
+
+// BenchmarkEgressFlood is the cost of one refused attempt of a flooding
+// box, and the bytes of log it leaves (log-B/op).
+func BenchmarkEgressFlood(b *testing.B) {
+	path := filepath.Join(b.TempDir(), "audit.log")
+	l, err := audit.Open(audit.Options{Path: path, MaxBytes: -1})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer l.Close()
+	at := time.Now()
+	b.ReportAllocs()
+	for i := 0; b.Loop(); i++ {
+		l.Observe(event.Egress{Time: at.Add(time.Duration(i) * 100 * time.Microsecond), Box: "flooder", Via: "dns", Name: "n.evil.example", Verdict: event.VerdictRefuse, Reason: "not in the allowlist"})
+	}
+	b.StopTimer()
+	fi, err := os.Stat(path)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.ReportMetric(float64(fi.Size())/float64(b.N), "log-B/op")
+}
