@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -16,6 +17,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 
 	"kiln/internal/audit"
+	"kiln/internal/config"
 	"kiln/internal/event"
 	"kiln/internal/session"
 	"kiln/internal/session/sessiontest"
@@ -351,4 +353,26 @@ func BenchmarkEgressFlood(b *testing.B) {
 		b.Fatal(err)
 	}
 	b.ReportMetric(float64(fi.Size())/float64(b.N), "log-B/op")
+}
+
+// TestForeignLogRefused: an existing log that belongs to another user is
+// refused: its owner could rewrite the records whatever its mode.
+func TestForeignLogRefused(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("giving a file to another uid needs root")
+	}
+	path := filepath.Join(t.TempDir(), "audit.log")
+	if err := os.WriteFile(path, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(path, 4242, 4242); err != nil {
+		t.Fatal(err)
+	}
+	l, err := audit.Open(audit.Options{Path: path})
+	if err == nil {
+		l.Close()
+	}
+	if !errors.Is(err, config.ErrUnsafeFile) || !strings.Contains(err.Error(), "uid 4242") {
+		t.Errorf("an audit log of uid 4242: err = %v, want ErrUnsafeFile naming the uid", err)
+	}
 }
