@@ -227,7 +227,10 @@ func (l *Log) Observe(e event.Event) {
 		if !l.admitLocked(e) {
 			return
 		}
+	case event.Session:
+		l.sweepLocked(e.Time)
 	case event.Exec:
+		l.sweepLocked(e.Time)
 		// What the box's attempts came to, before what it ran.
 		for k, c := range l.egress {
 			if k.box == e.Box && e.Box != "" {

@@ -376,3 +376,25 @@ func TestForeignLogRefused(t *testing.T) {
 		t.Errorf("an audit log of uid 4242: err = %v, want ErrUnsafeFile naming the uid", err)
 	}
 }
+
+// TestEgressSummaryWithoutBox: a box that floods and then goes quiet,
+// and never runs again, still has its flood summed up once its window
+// ended, at whatever record comes next, not only at shutdown.
+func TestEgressSummaryWithoutBox(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "audit.log")
+	l := open(t, audit.Options{Path: path})
+	at := time.Date(2026, 5, 1, 12, 0, 0, 0, time.UTC)
+	for i := range 100 {
+		l.Observe(event.Egress{Time: at.Add(time.Duration(i) * time.Millisecond), Box: "gone", Via: "dns", Name: "x.example", Verdict: event.VerdictRefuse})
+	}
+	l.Observe(event.Session{Time: at.Add(2 * time.Minute), Op: event.SessionCreate, Principal: "bob", Session: "s", Backend: "jail"})
+	var summed float64
+	for _, r := range records(t, path) {
+		if r["type"] == "egress_suppressed" && r["box"] == "gone" {
+			summed += r["suppressed"].(float64)
+		}
+	}
+	if summed != 80 {
+		t.Errorf("before close, %v of the quiet box's 80 suppressed refusals are summed up", summed)
+	}
+}
