@@ -6,6 +6,8 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -15,6 +17,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 
 	"kiln/internal/audit"
+	"kiln/internal/config"
 	"kiln/internal/event"
 	"kiln/internal/session"
 	"kiln/internal/session/sessiontest"
@@ -255,3 +258,143 @@ func reverse(s string) string {
 }
 
 func quote(s string) string { return "'" + s + "'" }
+
+// TestEgressFloodBounded: a box that makes a hundred thousand refused
+// attempts cannot flush the log. Its first refusals are written in full,
+// the rest are counted into a summary record; the box's own exec record
+// written before the flood, another box's records and the allowed
+// attempt hidden in the flood all survive a rotation-bounded log.
+func TestEgressFloodBounded(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "audit.log")
+	// 64 KiB a file, two kept: the 36 MiB of the flood would rotate past
+	// everything many times over.
+	l := open(t, audit.Options{Path: path, MaxBytes: 64 << 10, Keep: 2})
+	at := time.Date(2026, 5, 1, 12, 0, 0, 0, time.UTC)
+	l.Observe(event.Exec{Time: at, Principal: "alice", Session: "work", Box: "flooder", Backend: "jail", Language: "python", Code: "first", Result: event.ResultOK})
+	l.Observe(event.Exec{Time: at, Principal: "bob", Session: "s", Box: "quiet", Backend: "jail", Language: "python", Code: "bob", Result: event.ResultOK})
+	const flood = 100_000
+	for i := range flood {
+		// 10 s of attempts, as measured.
+		when := at.Add(time.Duration(i) * (10 * time.Second / flood))
+		l.Observe(event.Egress{Time: when, Box: "flooder", Via: "dns", Name: fmt.Sprintf("n%d.evil.example", i), Verdict: event.VerdictRefuse, Reason: "not in the allowlist"})
+		if i == flood/2 {
+			l.Observe(event.Egress{Time: when, Box: "flooder", Via: "proxy", Name: "pypi.org", Port: 443, Verdict: event.VerdictAllow})
+			l.Observe(event.Egress{Time: when, Box: "quiet", Via: "dns", Name: "other.example", Verdict: event.VerdictRefuse, Reason: "not in the allowlist"})
+		}
+	}
+	end := at.Add(10 * time.Second)
+	l.Observe(event.Exec{Time: end, Principal: "alice", Session: "work", Box: "flooder", Backend: "jail", Language: "python", Code: "second", Result: event.ResultOK})
+	l.Close()
+
+	var recs []map[string]any
+	for _, p := range []string{path + ".2", path + ".1", path} {
+		if _, err := os.Stat(p); err == nil {
+			recs = append(recs, records(t, p)...)
+		}
+	}
+	var execs, refusals, allowed, quiet int
+	suppressed := 0.0
+	for _, r := range recs {
+		switch {
+		case r["type"] == "exec":
+			execs++
+		case r["type"] == "egress" && r["box"] == "quiet":
+			quiet++
+		case r["type"] == "egress" && r["verdict"] == "allow":
+			allowed++
+		case r["type"] == "egress":
+			refusals++
+		case r["type"] == "egress_suppressed" && r["box"] == "flooder" && r["verdict"] == "refuse":
+			n, _ := r["suppressed"].(float64)
+			suppressed += n
+		}
+	}
+	if execs != 3 || quiet != 1 || allowed != 1 {
+		t.Errorf("after the flood the log holds %d exec records (want 3), %d of the other box (want 1), %d allowed attempts (want 1)", execs, quiet, allowed)
+	}
+	if refusals == 0 || refusals > 100 {
+		t.Errorf("%d refusals of the flooding box written in full; want the first few, at most 100", refusals)
+	}
+	if int(suppressed)+refusals != flood {
+		t.Errorf("%d refusals written and %v counted as suppressed; want %d in all", refusals, suppressed, flood)
+	}
+	if len(recs) > 200 {
+		t.Errorf("the flood left %d records", len(recs))
+	}
+	// The summary comes before the box's next exec record.
+	last := -1
+	for i, r := range recs {
+		if r["type"] == "egress_suppressed" {
+			last = i
+		}
+	}
+	if n := len(recs); last < 0 || recs[n-1]["type"] != "exec" || last > n-2 {
+		t.Errorf("the suppressed refusals are not summed up before the box's exec record: last summary at %d of %d", last, n)
+	}
+}
+
+// BenchmarkEgressFlood is the cost of one refused attempt of a flooding
+// box, and the bytes of log it leaves (log-B/op).
+func BenchmarkEgressFlood(b *testing.B) {
+	path := filepath.Join(b.TempDir(), "audit.log")
+	l, err := audit.Open(audit.Options{Path: path, MaxBytes: -1})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer l.Close()
+	at := time.Now()
+	b.ReportAllocs()
+	for i := 0; b.Loop(); i++ {
+		l.Observe(event.Egress{Time: at.Add(time.Duration(i) * 100 * time.Microsecond), Box: "flooder", Via: "dns", Name: "n.evil.example", Verdict: event.VerdictRefuse, Reason: "not in the allowlist"})
+	}
+	b.StopTimer()
+	fi, err := os.Stat(path)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.ReportMetric(float64(fi.Size())/float64(b.N), "log-B/op")
+}
+
+// TestForeignLogRefused: an existing log that belongs to another user is
+// refused: its owner could rewrite the records whatever its mode.
+func TestForeignLogRefused(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("giving a file to another uid needs root")
+	}
+	path := filepath.Join(t.TempDir(), "audit.log")
+	if err := os.WriteFile(path, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(path, 4242, 4242); err != nil {
+		t.Fatal(err)
+	}
+	l, err := audit.Open(audit.Options{Path: path})
+	if err == nil {
+		l.Close()
+	}
+	if !errors.Is(err, config.ErrUnsafeFile) || !strings.Contains(err.Error(), "uid 4242") {
+		t.Errorf("an audit log of uid 4242: err = %v, want ErrUnsafeFile naming the uid", err)
+	}
+}
+
+// TestEgressSummaryWithoutBox: a box that floods and then goes quiet,
+// and never runs again, still has its flood summed up once its window
+// ended, at whatever record comes next, not only at shutdown.
+func TestEgressSummaryWithoutBox(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "audit.log")
+	l := open(t, audit.Options{Path: path})
+	at := time.Date(2026, 5, 1, 12, 0, 0, 0, time.UTC)
+	for i := range 100 {
+		l.Observe(event.Egress{Time: at.Add(time.Duration(i) * time.Millisecond), Box: "gone", Via: "dns", Name: "x.example", Verdict: event.VerdictRefuse})
+	}
+	l.Observe(event.Session{Time: at.Add(2 * time.Minute), Op: event.SessionCreate, Principal: "bob", Session: "s", Backend: "jail"})
+	var summed float64
+	for _, r := range records(t, path) {
+		if r["type"] == "egress_suppressed" && r["box"] == "gone" {
+			summed += r["suppressed"].(float64)
+		}
+	}
+	if summed != 80 {
+		t.Errorf("before close, %v of the quiet box's 80 suppressed refusals are summed up", summed)
+	}
+}

@@ -7,6 +7,8 @@ import (
 	"os"
 	"strconv"
 	"syscall"
+
+	"kiln/internal/config"
 )
 
 // rotator is an append-only file rotated by size: past max bytes the file
@@ -44,6 +46,11 @@ func (r *rotator) open() error {
 	if !st.Mode().IsRegular() {
 		f.Close()
 		return fmt.Errorf("opening the audit log: %s is not a regular file", r.path)
+	}
+	// Its owner could rewrite the records, whatever the mode set below.
+	if err := config.CheckOwner("audit log", r.path, st); err != nil {
+		f.Close()
+		return err
 	}
 	if st.Mode().Perm() != 0o600 {
 		if err := f.Chmod(0o600); err != nil {

@@ -125,9 +125,10 @@ type common struct {
 	egressHosts string
 	tpl         templateFlags
 	verbose     bool
-	backends    backends // every registered backend, with its own flags
-	obs         obsFlags // audit log and metrics (kiln mcp and serve only)
-	netScope    string   // not a flag: kiln serve --auth oidc's network scope
+	backends    backends          // every registered backend, with its own flags
+	obs         obsFlags          // audit log and metrics (kiln mcp and serve only)
+	netScope    string            // not a flag: kiln serve --auth oidc's network scope
+	tokens      []mcpserver.Token // not a flag: kiln serve's tokens, which an off-loopback metrics listener requires
 }
 
 func (c *common) register(fs *flag.FlagSet) {
@@ -301,7 +302,7 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 	srv := mcpserver.New(mcpserver.Options{Manager: mgr, Runtime: rt, Backend: b.Name(), Network: netDesc, Logger: log,
 		NetScope: c.netScope, Resources: c.resources.options(c.maxOutput)})
 	st := &stack{net: net, backend: b, mgr: mgr, srv: srv, obs: obs}
-	if err := obs.serve(c.obs.metricsAddr, mgr); err != nil {
+	if err := obs.serve(c.obs.metricsAddr, c.tokens, mgr); err != nil {
 		st.close()
 		return nil, err
 	}
@@ -380,6 +381,7 @@ func runServe(args []string, stderr io.Writer) error {
 	} else if err := mcpserver.CheckListen(*addr, toks); err != nil {
 		return err
 	}
+	c.tokens = toks
 	st, err := c.start(ctx, log)
 	if err != nil {
 		return err

@@ -31,7 +31,7 @@ func (o *obsFlags) register(fs *flag.FlagSet) {
 	fs.Int64Var(&o.auditMaxMiB, "audit-max-size", audit.DefaultMaxBytes>>20, "rotate the audit log past this many MiB (0: never)")
 	fs.IntVar(&o.auditKeep, "audit-keep", audit.DefaultKeep, "rotated audit logs kept (FILE.1 … FILE.N)")
 	fs.BoolVar(&o.includeCode, "audit-include-code", false, "write each execution's code into its audit record (never its output); by default only its SHA-256 and size")
-	fs.StringVar(&o.metricsAddr, "metrics-addr", "", "serve Prometheus metrics at /metrics, and /healthz and /readyz, on this address, e.g. 127.0.0.1:9464; unauthenticated (default: off)")
+	fs.StringVar(&o.metricsAddr, "metrics-addr", "", "serve Prometheus metrics at /metrics, and /healthz and /readyz, on this address, e.g. 127.0.0.1:9464; off loopback only with a token (KILN_TOKEN, --token-file), which /metrics then requires (default: off)")
 }
 
 // observers are a server's audit log and metrics, and the metrics listener.
@@ -85,19 +85,32 @@ func (obs *observers) observer() event.Observer {
 	return event.Multi(a, m)
 }
 
-// serve starts the metrics listener on addr, reading mgr's state.
-func (obs *observers) serve(addr string, mgr *session.Manager) error {
+// serve starts the metrics listener on addr, reading mgr's state. Off
+// loopback it needs toks, the tokens of /mcp, and requires one of them.
+func (obs *observers) serve(addr string, toks []mcpserver.Token, mgr *session.Manager) error {
 	if obs.metrics == nil {
 		return nil
 	}
 	obs.metrics.SetSource(mgr)
 	ready := func() error { return metrics.Readiness(mgr.Stats(), obs.warm.Load()) }
+	// The metrics show every principal's work, summed: off loopback they
+	// are served as /mcp is, only with a token. /healthz and /readyz
+	// say no more than /mcp's own /healthz, and stay open for probes.
+	h := obs.metrics.Handler(ready)
+	guarded, err := mcpserver.Guard(addr, toks, h)
+	if err != nil {
+		return fmt.Errorf("--metrics-addr %s: %w; listen on 127.0.0.1, or give kiln serve a token, which the metrics listener then requires", addr, err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/", guarded)
+	mux.Handle("GET /healthz", h)
+	mux.Handle("GET /readyz", h)
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return fmt.Errorf("--metrics-addr: listening on %s: %w", addr, err)
 	}
 	obs.addr = ln.Addr()
-	obs.srv = metrics.Server(obs.metrics.Handler(ready))
+	obs.srv = metrics.Server(mux)
 	go func() {
 		if err := obs.srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			obs.log.Error("metrics listener", "err", err)

@@ -4,9 +4,11 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -20,7 +22,10 @@ import (
 
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
+	"kiln/internal/mcpserver"
 	"kiln/internal/sandbox/sandboxtest"
+	"kiln/internal/session"
+	"kiln/internal/session/sessiontest"
 )
 
 func resultText(res *mcp.CallToolResult) string {
@@ -220,5 +225,71 @@ func TestObservedJailCall(t *testing.T) {
 		if !strings.Contains(strings.Join(kinds, " "), want) {
 			t.Errorf("audit log lacks a %s record: %v", want, kinds)
 		}
+	}
+}
+
+// TestMetricsListenerRule: the metrics listener obeys /mcp's rule. On a
+// non-loopback address without tokens it is refused, naming the flag and
+// the fix; with tokens it serves only requests that bear one; on loopback
+// it serves without a token, as before.
+func TestMetricsListenerRule(t *testing.T) {
+	b := sessiontest.New(t, nil)
+	mgr := session.NewManager(session.Options{Backend: b, Mode: session.ModePerCall})
+	t.Cleanup(mgr.Close)
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	toks := []mcpserver.Token{{Principal: "ops", Secret: "metrics-token-0123456789"}}
+	start := func(addr string, toks []mcpserver.Token) (*observers, error) {
+		t.Helper()
+		o := obsFlags{metricsAddr: addr}
+		obs, err := o.open(b.Name(), log)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(obs.close)
+		return obs, obs.serve(addr, toks, mgr)
+	}
+
+	if _, err := start("0.0.0.0:0", nil); !errors.Is(err, mcpserver.ErrNoToken) || !strings.Contains(err.Error(), "--metrics-addr") {
+		t.Errorf("--metrics-addr 0.0.0.0:0 without tokens: err = %v, want ErrNoToken naming --metrics-addr", err)
+	}
+
+	obs, err := start("0.0.0.0:0", toks)
+	if err != nil {
+		t.Fatalf("--metrics-addr 0.0.0.0:0 with a token: %v", err)
+	}
+	_, port, _ := net.SplitHostPort(obs.addr.String())
+	url := "http://127.0.0.1:" + port
+	if code, _ := get(t, url+"/healthz"); code != http.StatusOK {
+		t.Errorf("GET /healthz on 0.0.0.0 without a token: %d, want 200 (probes need no token, as /mcp's /healthz)", code)
+	}
+	for _, path := range []string{"/metrics", "/metrics/", "/other"} {
+		if code, _ := get(t, url+path); code != http.StatusUnauthorized {
+			t.Errorf("GET %s on 0.0.0.0 without a token: %d, want 401", path, code)
+		}
+		req, _ := http.NewRequest("GET", url+path, nil)
+		req.Header.Set("Authorization", "Bearer wrong-token-0123456789")
+		if resp, err := http.DefaultClient.Do(req); err != nil || resp.StatusCode != http.StatusUnauthorized {
+			t.Errorf("GET %s with a wrong token: %v %v, want 401", path, resp, err)
+		} else {
+			resp.Body.Close()
+		}
+	}
+	req, _ := http.NewRequest("GET", url+"/metrics", nil)
+	req.Header.Set("Authorization", "Bearer "+toks[0].Secret)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Errorf("GET /metrics with the token: %d, want 200", resp.StatusCode)
+	}
+
+	lo, err := start("127.0.0.1:0", nil)
+	if err != nil {
+		t.Fatalf("--metrics-addr 127.0.0.1:0: %v", err)
+	}
+	if code, _ := get(t, "http://"+lo.addr.String()+"/metrics"); code != http.StatusOK {
+		t.Errorf("GET /metrics on loopback without a token: %d, want 200", code)
 	}
 }

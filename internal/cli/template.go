@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"kiln/internal/boxtemplate"
+	"kiln/internal/config"
 	"kiln/internal/mcpserver"
 	"kiln/internal/sandbox"
 	"kiln/internal/sandbox/boxplan"
@@ -216,10 +217,12 @@ func createTemplate(ctx context.Context, o templateSetup) (_ *boxtemplate.Templa
 // maxSetup bounds a setup file.
 const maxSetup = 1 << 20
 
+// readSetup reads the setup file, checked as the configuration is: what
+// it makes is sealed into every box served with the template.
 func readSetup(path string) ([]byte, error) {
-	f, err := os.Open(path)
+	f, err := config.OpenTrusted("setup file", path, false)
 	if err != nil {
-		return nil, fmt.Errorf("reading the setup: %w", err)
+		return nil, err
 	}
 	defer f.Close()
 	code, err := io.ReadAll(io.LimitReader(f, maxSetup+1))

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"os"
 	"path/filepath"
 	"strings"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
+	"kiln/internal/config"
 	"kiln/internal/mcpserver"
 	"kiln/internal/sandbox/sandboxtest"
 )
@@ -231,4 +233,37 @@ func untilPreloaded(t *testing.T, cs *mcp.ClientSession, code string) string {
 		got = call(t, cs, "run_python", map[string]any{"code": code})
 	}
 	return got
+}
+
+// TestSetupFileTrusted: the setup's files are sealed into every box served
+// with the template, so the setup file is checked as the configuration
+// file is: one its group or others can write, or of another user, is
+// refused before any box starts.
+func TestSetupFileTrusted(t *testing.T) {
+	write := func(mode os.FileMode, uid int) string {
+		t.Helper()
+		p := filepath.Join(t.TempDir(), "setup.py")
+		if err := os.WriteFile(p, []byte("print('setup')\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		os.Chmod(p, mode)
+		if uid >= 0 {
+			if err := os.Chown(p, uid, uid); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return p
+	}
+	if _, err := readSetup(write(0o644, -1)); err != nil {
+		t.Fatalf("a 0644 setup file of kiln's user: %v", err)
+	}
+	if _, err := readSetup(write(0o666, -1)); !errors.Is(err, config.ErrUnsafeFile) {
+		t.Errorf("a 0666 setup file: err = %v, want ErrUnsafeFile", err)
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("giving a file to another uid needs root")
+	}
+	if _, err := readSetup(write(0o644, 4242)); !errors.Is(err, config.ErrUnsafeFile) || !strings.Contains(err.Error(), "uid 4242") {
+		t.Errorf("a setup file of uid 4242: err = %v, want ErrUnsafeFile naming the uid", err)
+	}
 }

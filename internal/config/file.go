@@ -1,7 +1,6 @@
 package config
 
 import (
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -48,21 +47,11 @@ func Find(getenv func(string) (string, bool)) string {
 // decides which binaries kiln runs (--agent, --runsc) and who may call it
 // (--token-file), so a file others can write would hand them the server.
 func ReadFile(path string) ([]byte, error) {
-	f, err := os.Open(path)
+	f, err := OpenTrusted("configuration", path, false)
 	if err != nil {
-		return nil, fmt.Errorf("reading the configuration: %w", err)
-	}
-	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return nil, fmt.Errorf("reading the configuration: %w", err)
-	}
-	if !fi.Mode().IsRegular() {
-		return nil, fmt.Errorf("%s is not a regular file (%v)", path, fi.Mode().Type())
-	}
-	if err := checkOwner(path, fi); err != nil {
 		return nil, err
 	}
+	defer f.Close()
 	data, err := io.ReadAll(io.LimitReader(f, MaxFileSize+1))
 	if err != nil {
 		return nil, fmt.Errorf("reading %s: %w", path, err)
@@ -72,6 +61,3 @@ func ReadFile(path string) ([]byte, error) {
 	}
 	return data, nil
 }
-
-// ErrUnsafeFile is returned for a configuration file others can change.
-var ErrUnsafeFile = errors.New("unsafe configuration file")

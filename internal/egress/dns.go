@@ -78,6 +78,6 @@ func (c *core) serveDNS(w dns.ResponseWriter, req *dns.Msg) {
 			A:   addr.AsSlice(),
 		})
 	}
-	c.log.Info("egress allowed", "session", a.session, "via", "dns", "name", name, "addr", strs, "verdict", "allow")
+	c.infoLimited(a, time.Now(), "egress allowed", "session", a.session, "via", "dns", "name", name, "addr", strs, "verdict", "allow")
 	c.observe(a, "dns", name, 0, event.VerdictAllow, "")
 }

@@ -48,8 +48,9 @@
 // Options.ConnIdleTimeout without a byte either way and after
 // Options.ConnMaxLifetime in all; a refused request closes its
 // connection. Names longer than 253 bytes are refused before they are
-// logged; each box logs at most logBurst refusals per logWindow, and one
-// line counts the rest.
+// logged; each box logs at most logBurst refusals per logWindow, and as
+// many allowed attempts on a budget of their own, and one line counts the
+// rest.
 //
 // # Why one gateway namespace and /32s
 //

@@ -196,7 +196,8 @@ type Attachment struct {
 	// by core.lim.
 	slots       map[*boxConn]struct{}
 	slotsClosed bool
-	logs        logLimiter
+	logs        logLimiter // refusals and errors
+	allowLogs   logLimiter // allowed attempts, apart: a flood of refusals must not hide one
 
 	closeOnce sync.Once
 	closeErr  error
@@ -285,6 +286,9 @@ func (a *Attachment) Close() error {
 			a.core.closeSlots(a)
 			if n := a.logs.flush(); n > 0 {
 				a.core.log.Warn("egress refusals not logged", "session", a.session, "count", n)
+			}
+			if n := a.allowLogs.flush(); n > 0 {
+				a.core.log.Info("egress allowed attempts not logged", "session", a.session, "count", n)
 			}
 		}
 		a.closeErr = a.cleanup.Run()
@@ -435,6 +439,18 @@ func (c *core) warnLimited(a *Attachment, now time.Time, msg string, attrs ...an
 	}
 }
 
+// infoLimited logs an allowed attempt of box a, bounded as warnLimited
+// bounds refusals, on a budget of its own.
+func (c *core) infoLimited(a *Attachment, now time.Time, msg string, attrs ...any) {
+	ok, dropped := a.allowLogs.allow(now)
+	if dropped > 0 {
+		c.log.Info("egress allowed attempts not logged", "session", a.session, "count", dropped, "window", logWindow.String())
+	}
+	if ok {
+		c.log.Info(msg, attrs...)
+	}
+}
+
 // dial checks name and port against the box's policy, resolves name on
 // the host, checks every address it resolves to, and dials the first
 // permitted one. The address dialed is the address checked, so a name that
@@ -477,7 +493,7 @@ func (c *core) dial(ctx context.Context, a *Attachment, via, name string, port u
 			errs = append(errs, err)
 			continue
 		}
-		c.log.Info("egress allowed", "session", a.session, "via", via, "name", name, "port", port, "addr", addr.String(), "verdict", "allow")
+		c.infoLimited(a, time.Now(), "egress allowed", "session", a.session, "via", via, "name", name, "port", port, "addr", addr.String(), "verdict", "allow")
 		c.observe(a, via, name, port, event.VerdictAllow, "")
 		tc := &trackedConn{Conn: conn, att: a}
 		if !a.track(tc) {

@@ -7,9 +7,10 @@ import (
 	"io"
 	"net"
 	"net/netip"
-	"os"
 	"slices"
 	"strings"
+
+	"kiln/internal/config"
 )
 
 // resolver looks names up on the host: first in the gateway's own hosts
@@ -26,9 +27,10 @@ func newResolver(opts Options) (*resolver, error) {
 		r.dns = net.DefaultResolver
 	}
 	if opts.HostsFile != "" {
-		f, err := os.Open(opts.HostsFile)
+		// The file decides where an allowed name goes.
+		f, err := config.OpenTrusted("egress hosts file", opts.HostsFile, false)
 		if err != nil {
-			return nil, fmt.Errorf("opening hosts file: %w", err)
+			return nil, err
 		}
 		defer f.Close()
 		m, err := ParseHosts(f)

@@ -12,7 +12,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -22,6 +21,8 @@ import (
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 	"golang.org/x/net/netutil"
 	"golang.org/x/sync/semaphore"
+
+	"kiln/internal/config"
 )
 
 // Token is one accepted bearer token and the principal it names.
@@ -53,18 +54,11 @@ func LoadTokens(envValue, file string) ([]Token, error) {
 		add(envValue)
 	}
 	if file != "" {
-		f, err := os.Open(file)
+		f, err := config.OpenTrusted("token file", file, true)
 		if err != nil {
-			return nil, fmt.Errorf("reading token file: %w", err)
+			return nil, err
 		}
 		defer f.Close()
-		fi, err := f.Stat()
-		if err != nil {
-			return nil, fmt.Errorf("reading token file: %w", err)
-		}
-		if perm := fi.Mode().Perm(); perm&0o077 != 0 {
-			return nil, fmt.Errorf("token file %s is open to its group or others (mode %04o); make it private to its owner: chmod 600 %s", file, perm, file)
-		}
 		sc := bufio.NewScanner(f)
 		for sc.Scan() {
 			add(sc.Text())
@@ -83,7 +77,7 @@ func LoadTokens(envValue, file string) ([]Token, error) {
 
 // HTTPOptions configure the streamable HTTP endpoint.
 type HTTPOptions struct {
-	Tokens []Token     // empty: no authentication (loopback only; checked by ListenAndServe)
+	Tokens []Token     // empty: no authentication (loopback only; kiln serve checks with CheckListen)
 	OAuth  *OAuth      // set: OAuth 2.1 access tokens instead of Tokens
 	Limits *HTTPLimits // nil: DefaultHTTPLimits
 }
@@ -579,19 +573,41 @@ var ErrNoToken = errors.New("refusing to listen on a non-loopback address withou
 
 // CheckListen refuses a non-loopback address when there are no tokens.
 func CheckListen(addr string, toks []Token) error {
-	if len(toks) > 0 {
-		return nil
-	}
-	host, _, err := net.SplitHostPort(addr)
+	loopback, err := isLoopback(addr)
 	if err != nil {
-		return fmt.Errorf("parsing address %q: %w", addr, err)
+		return err
 	}
-	if host == "localhost" {
-		return nil
-	}
-	ip := net.ParseIP(host)
-	if ip == nil || !ip.IsLoopback() {
+	if len(toks) == 0 && !loopback {
 		return ErrNoToken
 	}
 	return nil
+}
+
+// isLoopback says whether addr (host:port) listens on loopback only.
+func isLoopback(addr string) (bool, error) {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false, fmt.Errorf("parsing address %q: %w", addr, err)
+	}
+	if host == "localhost" {
+		return true, nil
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback(), nil
+}
+
+// Guard applies the rule of /mcp to another listener of kiln's, at addr:
+// a non-loopback address without tokens is refused (ErrNoToken), and on a
+// non-loopback address with tokens h answers only requests that bear one
+// of them, as /mcp does. On loopback h is returned as it is: what may
+// reach loopback is the host's own users, the same trust /mcp gives a
+// loopback listener without tokens.
+func Guard(addr string, toks []Token, h http.Handler) (http.Handler, error) {
+	if err := CheckListen(addr, toks); err != nil {
+		return nil, err
+	}
+	if loopback, _ := isLoopback(addr); loopback {
+		return h, nil
+	}
+	return auth.RequireBearerToken(verifier(toks), nil)(h), nil
 }

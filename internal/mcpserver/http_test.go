@@ -1,6 +1,7 @@
 package mcpserver_test
 
 import (
+	"errors"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -8,6 +9,7 @@ import (
 	"strings"
 	"testing"
 
+	"kiln/internal/config"
 	"kiln/internal/mcpserver"
 	"kiln/internal/session"
 )
@@ -108,6 +110,32 @@ func TestLoadTokensFileMode(t *testing.T) {
 			} else if !strings.Contains(err.Error(), "chmod 600") {
 				t.Errorf("mode %04o: the error does not say how to fix it: %v", c.mode, err)
 			}
+		}
+	}
+}
+
+// TestLoadTokensFileOwner: a token file of another user is refused even
+// when its mode is private, as the configuration file is: whoever owns
+// it can add a token. The error names the file, its owner and mode, and
+// the fix.
+func TestLoadTokensFileOwner(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("giving a file to another uid needs root")
+	}
+	p := filepath.Join(t.TempDir(), "tokens")
+	if err := os.WriteFile(p, []byte("alice:"+strings.Repeat("t", 32)+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(p, 4242, 4242); err != nil {
+		t.Fatal(err)
+	}
+	_, err := mcpserver.LoadTokens("", p)
+	if !errors.Is(err, config.ErrUnsafeFile) {
+		t.Fatalf("a token file of uid 4242: err = %v, want ErrUnsafeFile", err)
+	}
+	for _, want := range []string{p, "uid 4242", "0600", "chown"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("the error does not name %q: %v", want, err)
 		}
 	}
 }

@@ -127,6 +127,13 @@ type resItem struct {
 	added                   time.Time
 }
 
+// resKey names an item: a URI names no principal, and two principals'
+// sessions of the same name have the same file URIs, so the principal is
+// part of the key.
+type resKey struct{ principal, uri string }
+
+func (it *resItem) key() resKey { return resKey{it.principal, it.uri} }
+
 // resStore holds the principal-scoped resources of one server.
 type resStore struct {
 	opts ResourceOptions
@@ -135,7 +142,7 @@ type resStore struct {
 
 	mu    sync.Mutex
 	calls uint64              // the last call number given out
-	items map[string]*resItem // by URI
+	items map[resKey]*resItem // by principal and URI
 	order []*resItem          // oldest first; may hold removed items
 	used  map[string]int64    // held bytes per principal
 	count map[string]int      // items per principal
@@ -145,7 +152,7 @@ type resStore struct {
 
 func newResStore(mgr *session.Manager, opts ResourceOptions) *resStore {
 	opts.defaults()
-	return &resStore{opts: opts, mgr: mgr, now: time.Now, items: map[string]*resItem{}, used: map[string]int64{}, count: map[string]int{},
+	return &resStore{opts: opts, mgr: mgr, now: time.Now, items: map[resKey]*resItem{}, used: map[string]int64{}, count: map[string]int{},
 		reads: semaphore.NewWeighted(readBudget)}
 }
 
@@ -176,7 +183,7 @@ func (st *resStore) sweepLocked() {
 	now := st.now()
 	kept := st.order[:0]
 	for _, it := range st.order {
-		if st.items[it.uri] != it {
+		if st.items[it.key()] != it {
 			continue
 		}
 		if !st.alive(it, now) {
@@ -190,10 +197,10 @@ func (st *resStore) sweepLocked() {
 }
 
 func (st *resStore) dropLocked(it *resItem) {
-	if st.items[it.uri] != it {
+	if st.items[it.key()] != it {
 		return
 	}
-	delete(st.items, it.uri)
+	delete(st.items, it.key())
 	if st.count[it.principal]--; st.count[it.principal] <= 0 {
 		delete(st.count, it.principal)
 	}
@@ -218,7 +225,7 @@ func (st *resStore) put(it *resItem) bool {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	st.sweepLocked()
-	if old := st.items[it.uri]; old != nil {
+	if old := st.items[it.key()]; old != nil {
 		st.dropLocked(old)
 	}
 	for _, it2 := range st.order {
@@ -235,7 +242,7 @@ func (st *resStore) put(it *resItem) bool {
 		}
 		st.dropLocked(it2)
 	}
-	st.items[it.uri] = it
+	st.items[it.key()] = it
 	st.order = append(st.order, it)
 	st.count[it.principal]++
 	if it.held {
@@ -249,8 +256,8 @@ func (st *resStore) put(it *resItem) bool {
 func (st *resStore) get(principal, uri string) *resItem {
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	it := st.items[uri]
-	if it == nil || it.principal != principal {
+	it := st.items[resKey{principal, uri}]
+	if it == nil {
 		return nil
 	}
 	if !st.alive(it, st.now()) {

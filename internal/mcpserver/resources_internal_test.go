@@ -127,3 +127,36 @@ func TestResStoreItemsPerPrincipal(t *testing.T) {
 		t.Errorf("a's newest item is %s", got)
 	}
 }
+
+// TestResStoreKeyedByPrincipal: two principals filing the same kiln:// URI
+// (session names are each principal's own, so file URIs coincide) hold
+// an entry each. Before the store was keyed by principal and URI, the
+// second put dropped the first principal's entry from their list.
+func TestResStoreKeyedByPrincipal(t *testing.T) {
+	mgr := session.NewManager(session.Options{Mode: session.ModePerCall})
+	defer mgr.Close()
+	st := newResStore(mgr, ResourceOptions{})
+	const uri = "kiln://work/files/report.csv"
+	for _, who := range []string{"alice", "mallory"} {
+		st.put(&resItem{uri: uri, principal: who, session: "work", name: who + "-report.csv", size: 3})
+	}
+	for _, who := range []string{"alice", "mallory"} {
+		if diff := cmp.Diff([]string{who + "-report.csv"}, names(st.list(who))); diff != "" {
+			t.Errorf("%s lists (-want +got):\n%s", who, diff)
+		}
+		if it := st.get(who, uri); it == nil || it.principal != who {
+			t.Errorf("%s reads %+v at %s, want their own entry", who, it, uri)
+		}
+	}
+	// Filing it again replaces only that principal's entry.
+	st.put(&resItem{uri: uri, principal: "mallory", session: "work", name: "again.csv", size: 3})
+	if got := names(st.list("alice")); len(got) != 1 || got[0] != "alice-report.csv" {
+		t.Errorf("after mallory filed %s again alice lists %v", uri, got)
+	}
+	if got := names(st.list("mallory")); len(got) != 1 || got[0] != "again.csv" {
+		t.Errorf("mallory lists %v after filing %s again, want [again.csv]", got, uri)
+	}
+	if n := st.count["mallory"]; n != 1 {
+		t.Errorf("mallory is counted %d items, want 1", n)
+	}
+}

@@ -37,7 +37,6 @@ import (
 	"log/slog"
 	"net/http"
 	"net/url"
-	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -48,6 +47,8 @@ import (
 	"github.com/go-jose/go-jose/v4/jwt"
 	"github.com/modelcontextprotocol/go-sdk/auth"
 	"github.com/modelcontextprotocol/go-sdk/oauthex"
+
+	"kiln/internal/config"
 )
 
 // Defaults of Config.
@@ -304,7 +305,8 @@ func (v *Verifier) source() string {
 
 func (v *Verifier) read(ctx context.Context) ([]byte, error) {
 	if v.cfg.JWKSFile != "" {
-		f, err := os.Open(v.cfg.JWKSFile)
+		// Whoever can change this file can mint tokens for anyone.
+		f, err := config.OpenTrusted("key set file", v.cfg.JWKSFile, false)
 		if err != nil {
 			return nil, err
 		}

@@ -21,6 +21,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 	"github.com/modelcontextprotocol/go-sdk/auth"
 
+	"kiln/internal/config"
 	"kiln/internal/oauth"
 	"kiln/internal/oauth/oauthtest"
 )
@@ -443,5 +444,45 @@ func TestConcurrentVerify(t *testing.T) {
 		if err := <-done; err != nil {
 			t.Error(err)
 		}
+	}
+}
+
+// TestJWKSFileTrusted: whoever can change the key file can mint tokens
+// for any subject, so it is checked as the configuration file is: a file
+// its group or others can write, or of a user other than root and kiln's,
+// is refused, at start and on every re-read.
+func TestJWKSFileTrusted(t *testing.T) {
+	iss := oauthtest.New(t)
+	open := func(mode os.FileMode, uid int) error {
+		t.Helper()
+		p := filepath.Join(t.TempDir(), "jwks.json")
+		if err := os.WriteFile(p, iss.JWKS(), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		os.Chmod(p, mode)
+		if uid >= 0 {
+			if err := os.Chown(p, uid, uid); err != nil {
+				t.Fatal(err)
+			}
+		}
+		v, err := oauth.New(context.Background(), oauth.Config{Issuer: iss.URL, Resource: resource, JWKSFile: p})
+		if err == nil {
+			v.Close()
+		}
+		return err
+	}
+	if err := open(0o644, -1); err != nil {
+		t.Fatalf("a 0644 key file of kiln's user: %v", err)
+	}
+	for _, mode := range []os.FileMode{0o666, 0o664, 0o646} {
+		if err := open(mode, -1); !errors.Is(err, config.ErrUnsafeFile) || !strings.Contains(err.Error(), "chmod") {
+			t.Errorf("a key file of mode %04o: err = %v, want ErrUnsafeFile saying chmod", mode, err)
+		}
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("giving a file to another uid needs root")
+	}
+	if err := open(0o644, 4242); !errors.Is(err, config.ErrUnsafeFile) || !strings.Contains(err.Error(), "uid 4242") {
+		t.Errorf("a key file of uid 4242: err = %v, want ErrUnsafeFile naming the uid", err)
 	}
 }
