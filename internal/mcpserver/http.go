@@ -71,6 +71,11 @@ func LoadTokens(envValue, file string) ([]Token, error) {
 		if len(t.Secret) < 16 {
 			return nil, fmt.Errorf("token for %q is shorter than 16 characters", t.Principal)
 		}
+		// "local" is the stdio client's and unauthenticated loopback's
+		// principal, and an empty one is taken for it (principalOf).
+		if t.Principal == "" || t.Principal == localPrincipal {
+			return nil, fmt.Errorf("a token names the principal %q, which is kiln's own for clients without a token: name another before its colon (name:token)", t.Principal)
+		}
 	}
 	return toks, nil
 }

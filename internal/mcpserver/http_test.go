@@ -45,6 +45,25 @@ func TestLoadTokensRejectsShort(t *testing.T) {
 	}
 }
 
+// TestLoadTokensReservedPrincipals: a token may not name the principal of
+// the stdio client and of unauthenticated loopback ("local"), nor none
+// (which the server would take for "local" too): its holder would share
+// that principal's sessions, snapshots and hibernated state in a state
+// directory both servers use.
+func TestLoadTokensReservedPrincipals(t *testing.T) {
+	secret := strings.Repeat("k", 24)
+	for _, line := range []string{"local:" + secret, ":" + secret, " local :" + secret} {
+		if toks, err := mcpserver.LoadTokens(line, ""); err == nil {
+			t.Errorf("token line %q accepted as principal %q", line, toks[0].Principal)
+		} else if !strings.Contains(err.Error(), "principal") {
+			t.Errorf("token line %q: %v, want an error that names the principal", line, err)
+		}
+	}
+	if _, err := mcpserver.LoadTokens("alice:"+secret, ""); err != nil {
+		t.Errorf("an ordinary principal: %v", err)
+	}
+}
+
 func TestHTTPNeedsToken(t *testing.T) {
 	mgr := session.NewManager(session.Options{Backend: nil, PoolSize: 0})
 	defer mgr.Close()

@@ -311,8 +311,12 @@ func principalOf(extra *mcp.RequestExtra) string {
 	if extra != nil && extra.TokenInfo != nil && extra.TokenInfo.UserID != "" {
 		return extra.TokenInfo.UserID
 	}
-	return "local"
+	return localPrincipal
 }
+
+// localPrincipal is the principal of clients without a token: stdio, and
+// HTTP on loopback without authentication. No token may name it.
+const localPrincipal = "local"
 
 // callLinks files one call's outputs as resources while its result is
 // rendered. A nil *callLinks files nothing: everything is inlined as
