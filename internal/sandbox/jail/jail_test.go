@@ -23,7 +23,7 @@ func TestMain(m *testing.M) {
 func newBackend(t testing.TB) *jail.Backend {
 	t.Helper()
 	if os.Getuid() != 0 {
-		if err := jail.RootlessPremise(); err != nil {
+		if err := rootlessPremise(); err != nil {
 			t.Skipf("the jail tests need root, or a user with a uid per box: %v", err)
 		}
 	}
@@ -38,7 +38,7 @@ func newBackend(t testing.TB) *jail.Backend {
 func TestConformance(t *testing.T) {
 	b := newBackend(t)
 	opts := sandboxtest.Options{HostProcesses: true}
-	if err := jail.CgroupError(b); err != nil {
+	if err := cgroupError(b); err != nil {
 		if os.Getuid() == 0 {
 			t.Fatalf("root without cgroup limits: %v", err)
 		}

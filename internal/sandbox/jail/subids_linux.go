@@ -50,10 +50,10 @@ func detectSubIDs() (*subIDs, error) {
 	var missing []string
 	s := &subIDs{}
 	var err error
-	if s.newuidmap, err = exec.LookPath("newuidmap"); err != nil {
+	if s.newuidmap, err = lookHelper("newuidmap"); err != nil {
 		missing = append(missing, "newuidmap is not installed (Debian, Ubuntu: sudo apt-get install uidmap)")
 	}
-	if s.newgidmap, err = exec.LookPath("newgidmap"); err != nil && s.newuidmap != "" {
+	if s.newgidmap, err = lookHelper("newgidmap"); err != nil && s.newuidmap != "" {
 		missing = append(missing, "newgidmap is not installed (Debian, Ubuntu: sudo apt-get install uidmap)")
 	}
 	name := strconv.Itoa(os.Getuid())
@@ -78,6 +78,19 @@ func detectSubIDs() (*subIDs, error) {
 		return nil, fmt.Errorf("%w: %s", errNoSubIDs, strings.Join(missing, "; "))
 	}
 	return s, nil
+}
+
+// lookHelper finds a setuid helper in PATH, or in /usr/bin where uidmap
+// puts it: an MCP client may start kiln with a PATH of its own.
+func lookHelper(name string) (string, error) {
+	p, err := exec.LookPath(name)
+	if err == nil {
+		return p, nil
+	}
+	if _, serr := os.Stat("/usr/bin/" + name); serr == nil {
+		return "/usr/bin/" + name, nil
+	}
+	return "", err
 }
 
 // forSlot is the host uid and gid that boxUID and boxGID of the box in
