@@ -148,7 +148,7 @@ func (b *Backend) Check(ctx context.Context) error {
 	}
 	var weaker []error
 	if b.sharedUID() {
-		weaker = append(weaker, fmt.Errorf("code runs as your own uid, the agent's: %w", b.subErr))
+		weaker = append(weaker, fmt.Errorf("code runs as your own uid, the agent's, and can signal it (kill or stop its own box): %w", b.subErr))
 	}
 	if b.cgErr != nil {
 		weaker = append(weaker, fmt.Errorf("no cgroup limits: %w", b.cgErr))

@@ -2,15 +2,52 @@ package jail_test
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"os"
 	"os/exec"
 	"os/user"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"testing"
 
+	"kiln/internal/sandbox"
 	"kiln/internal/sandbox/sandboxtest"
 )
+
+// TestRootlessBoxUIDs: as an ordinary user with subordinate ids, code in
+// a box runs as a host uid that is not the user's, and two boxes' code
+// runs as two different ones.
+func TestRootlessBoxUIDs(t *testing.T) {
+	if os.Getuid() == 0 {
+		t.Skip("a rootless case: run it as an ordinary user with subordinate ids (TestRootlessAsUser does)")
+	}
+	b := newBackend(t)
+	ctx := context.Background()
+	var hosts []string
+	for _, id := range []string{"uid-a", "uid-b"} {
+		box, err := b.Create(ctx, sandbox.Spec{ID: id})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer box.Close()
+		// uid_map lines: inside, outside, count. Find the code's own.
+		res, err := box.RunShell(ctx, `u=$(id -u); awk -v u="$u" '$1 <= u && u < $1 + $3 { print u - $1 + $2 }' /proc/self/uid_map`, sandbox.ExecOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		host := strings.TrimSpace(res.Stdout.Text)
+		if host == "" || host == strconv.Itoa(os.Getuid()) {
+			t.Errorf("box %s: code runs as host uid %q, want a subordinate uid of uid %d (stderr %q)", id, host, os.Getuid(), res.Stderr.Text)
+		}
+		hosts = append(hosts, host)
+	}
+	t.Logf("code of the two boxes runs as host uids %v", hosts)
+	if hosts[0] == hosts[1] {
+		t.Errorf("two boxes' code runs as one host uid, %s", hosts[0])
+	}
+}
 
 // TestRootlessAsUser runs this package's conformance suite again as the
 // ordinary user KILN_ROOTLESS_USER names (one with /etc/subuid and
