@@ -7,7 +7,7 @@ MAKEFLAGS += --no-print-directory
 GO      ?= go
 BIN     := bin
 APT_RUNTIME := python3 python3-numpy python3-pandas python3-matplotlib python3-dill
-APT_TEST    := iproute2 nftables curl qemu-system-x86 debootstrap e2fsprogs systemd
+APT_TEST    := iproute2 nftables curl qemu-system-x86 debootstrap e2fsprogs systemd uidmap
 
 .PHONY: all build run serve demo test test-go test-e2e conformance deps deps-runtime deps-test runsc wasm lint race fuzz k8s-cluster k8s-down k8s-test k8s-e2e clean
 

@@ -242,15 +242,14 @@ func (bs backends) checkBackend(ctx context.Context, name string, env backendEnv
 	if !ok {
 		return errors.New("it cannot be checked (it implements no sandbox.Checker)")
 	}
-	if err := chk.Check(ctx); err != nil {
-		return err
-	}
+	// The notes say what the backend shares or lacks here, which matters
+	// most when the check says it is weaker than it should be.
 	if n, ok := b.(sandbox.Noter); ok {
 		for _, note := range n.Notes() {
 			notes(note)
 		}
 	}
-	return nil
+	return chk.Check(ctx)
 }
 
 func cachedRunsc() (string, error) {

@@ -146,6 +146,9 @@ func runInstall(args []string, stdout, stderr io.Writer) error {
 	if !slices.Contains(c.scopes, *scope) {
 		return fmt.Errorf("%s has no %s config kiln writes (scopes: %s)", c.name, *scope, strings.Join(c.scopes, ", "))
 	}
+	if err := checkInstallUser(os.Getuid(), os.Getenv("SUDO_USER"), *write); err != nil {
+		return err
+	}
 	exe, err := os.Executable()
 	if err != nil {
 		return err
@@ -192,6 +195,18 @@ func runInstall(args []string, stdout, stderr io.Writer) error {
 		fmt.Fprintf(stdout, "wrote the kiln entry to %s (the old file is %s); restart %s\n", path, backup, c.app)
 	default:
 		fmt.Fprintf(stdout, "wrote the kiln entry to %s; restart %s\n", path, c.app)
+	}
+	return nil
+}
+
+// checkInstallUser refuses to write an entry under sudo: HOME and the
+// current directory are still the user's, so root would write (and own)
+// the user's client config, and the client, run as the user, would start
+// kiln as the user with a file it may not replace. Run as the user, kiln
+// serves rootless (kiln doctor says what that needs).
+func checkInstallUser(uid int, sudoUser string, write bool) error {
+	if uid == 0 && sudoUser != "" && write {
+		return fmt.Errorf("kiln install runs as root under sudo, but %s's client starts kiln as %s: run kiln install without sudo (kiln doctor, as %s, says what a rootless kiln needs)", sudoUser, sudoUser, sudoUser)
 	}
 	return nil
 }

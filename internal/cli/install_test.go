@@ -238,3 +238,27 @@ func noLeftovers(t *testing.T, dir string, names ...string) {
 		}
 	}
 }
+
+// Under sudo, install writes nothing: the entry would be the user's, the
+// file root's.
+func TestInstallUnderSudo(t *testing.T) {
+	for _, tc := range []struct {
+		uid   int
+		sudo  string
+		write bool
+		fails bool
+	}{
+		{0, "alice", true, true},
+		{0, "alice", false, false}, // printing is harmless
+		{0, "", true, false},       // root's own client
+		{1000, "", true, false},
+	} {
+		err := checkInstallUser(tc.uid, tc.sudo, tc.write)
+		if (err != nil) != tc.fails {
+			t.Errorf("checkInstallUser(%d, %q, %v) = %v, want failure %v", tc.uid, tc.sudo, tc.write, err, tc.fails)
+		}
+		if err != nil && !strings.Contains(err.Error(), "without sudo") {
+			t.Errorf("error %q does not say what to do", err)
+		}
+	}
+}

@@ -42,6 +42,10 @@ func CgroupsAt(root string) *Cgroups {
 	return &Cgroups{root: root, v2: err == nil}
 }
 
+// Root is the directory the filesystem's paths are under: the mount
+// point, or a delegated group (DelegatedCgroups).
+func (c *Cgroups) Root() string { return c.root }
+
 // V2 reports whether the filesystem is cgroup v2's unified hierarchy.
 func (c *Cgroups) V2() bool { return c.v2 }
 

@@ -21,12 +21,20 @@ type cgroups struct {
 }
 
 // detectCgroups returns an error when the cgroup filesystem is not writable
-// (not root, read-only): boxes then run with rlimits only, and doctor says
-// so. all limits this server's boxes together; its zero fields mean no
-// limit of that kind.
-func detectCgroups(all sandbox.Limits) (*cgroups, error) {
+// (read-only, or not root and no cgroup v2 subtree delegated to the user):
+// boxes then run with rlimits only, and doctor says so. all limits this
+// server's boxes together; its zero fields mean no limit of that kind.
+// Rootless, the groups live under the user's delegated group
+// (boxkit.DelegatedCgroups), which kiln and the process that started it
+// leave for a leaf beside them.
+func detectCgroups(all sandbox.Limits, rootless bool) (*cgroups, error) {
 	c := &cgroups{fs: boxkit.HostCgroups()}
 	var err error
+	if rootless {
+		if c.fs, err = boxkit.DelegatedCgroups(); err != nil {
+			return nil, err
+		}
+	}
 	if c.server, err = c.fs.CreateParent(serverGroup()); err != nil {
 		return nil, err
 	}

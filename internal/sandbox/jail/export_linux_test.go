@@ -20,3 +20,18 @@ func WaitZygoteRotation(ctx context.Context, b *Backend, n int) error {
 	}
 	return b.zy.tpls.WaitRotations(ctx, n)
 }
+
+// RootlessPremise says what this host lacks for a rootless jail whose
+// code runs as a uid of its own, or nil: user namespaces that an ordinary
+// user may create (a control runs /bin/true in one), newuidmap and
+// newgidmap, and the user's subordinate id ranges.
+func RootlessPremise() error {
+	if err := userNamespaceControl(); err != nil {
+		return err
+	}
+	_, err := detectSubIDs()
+	return err
+}
+
+// CgroupError says why b's boxes have no cgroup limits, or nil.
+func CgroupError(b *Backend) error { return b.cgErr }

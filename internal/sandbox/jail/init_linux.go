@@ -42,6 +42,9 @@ func MaybeInit() {
 	}
 	runtime.LockOSThread()
 	run := runInit
+	if os.Args[1] == InitArg && len(os.Args) > 2 && os.Args[2] == awaitIDsArg {
+		run = awaitIDs
+	}
 	if os.Args[1] == ZygoteInitArg {
 		run = runZygoteInit
 	}

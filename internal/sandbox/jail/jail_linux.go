@@ -33,7 +33,9 @@ type Backend struct {
 	log      *slog.Logger
 	cgroups  *cgroups // nil: no cgroup limits on this host
 	cgErr    error
-	rootless bool
+	rootless bool    // not root on the host
+	sub      *subIDs // rootless with subordinate ids: a uid per box; nil: code shares the user's
+	subErr   error   // why sub is nil, rootless
 	slot     atomic.Uint32
 	zy       *zygotes // nil: every box starts its own python
 }
@@ -42,6 +44,7 @@ var (
 	_ sandbox.Backend   = (*Backend)(nil)
 	_ sandbox.Checker   = (*Backend)(nil)
 	_ sandbox.Describer = (*Backend)(nil)
+	_ sandbox.Noter     = (*Backend)(nil)
 
 	_ sandbox.OOMReporter     = (*jailBox)(nil)
 	_ sandbox.LimitReporter   = (*jailBox)(nil)
@@ -96,7 +99,15 @@ func New(opts Options) (*Backend, error) {
 		return nil, err
 	}
 	b := &Backend{opts: opts, log: opts.Logger, rootless: os.Getuid() != 0}
-	b.cgroups, b.cgErr = detectCgroups(opts.AllBoxes)
+	// A template's setup box, rootless, runs its code as the user: what
+	// it writes must be the user's for Commit to seal it (a user cannot
+	// chown a subordinate uid's files). The setup is the operator's code.
+	if b.rootless && !opts.TemplateWritable {
+		if b.sub, b.subErr = detectSubIDs(); b.subErr != nil {
+			b.log.Warn("rootless boxes without their own uid: code runs as the agent's", "err", b.subErr)
+		}
+	}
+	b.cgroups, b.cgErr = detectCgroups(opts.AllBoxes, b.rootless)
 	if b.cgErr != nil {
 		b.log.Warn("no cgroup limits: boxes are bounded by rlimits only", "err", b.cgErr)
 	} else {
@@ -124,6 +135,11 @@ func (b *Backend) Runtime() sandbox.Runtime {
 func (b *Backend) Check(ctx context.Context) error {
 	box, err := b.Create(ctx, sandbox.Spec{ID: "doctor"})
 	if err != nil {
+		if b.rootless {
+			if uerr := userNamespaceControl(); uerr != nil {
+				return uerr
+			}
+		}
 		return err
 	}
 	defer box.Close()
@@ -131,14 +147,48 @@ func (b *Backend) Check(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if strings.TrimSpace(res.Stdout.Text) == "0" && !b.rootless {
+	if strings.TrimSpace(res.Stdout.Text) == "0" && !b.sharedUID() {
 		return errors.New("code in the box runs as uid 0")
 	}
+	var weaker []error
+	if b.sharedUID() {
+		weaker = append(weaker, fmt.Errorf("code runs as your own uid, the agent's, and can signal it (kill or stop its own box): %w", b.subErr))
+	}
 	if b.cgErr != nil {
-		return fmt.Errorf("works, but without cgroup limits: %w", b.cgErr)
+		weaker = append(weaker, fmt.Errorf("no cgroup limits: %w", b.cgErr))
+	}
+	if len(weaker) > 0 {
+		return fmt.Errorf("works, but %w", errors.Join(weaker...))
 	}
 	return nil
 }
+
+// Notes say, rootless, what the boxes share with each other and with the
+// user (doctor prints them).
+func (b *Backend) Notes() []string {
+	if !b.rootless {
+		return nil
+	}
+	uid := os.Getuid()
+	notes := []string{
+		fmt.Sprintf("rootless: a box's root (its agent) is you, uid %d, in the box's own user namespace; the zygote is off (it needs root)", uid),
+		fmt.Sprintf("rootless: every box's user namespace is owned by uid %d, so the per-user kernel counts of all boxes (user namespaces, inotify instances and watches, POSIX message-queue bytes, queued signals, locked memory) are charged to you together, with your own processes; as root, each box is charged to a host uid of its own", uid),
+	}
+	if b.sub != nil {
+		first, _ := b.sub.forSlot(1)
+		notes = append(notes, fmt.Sprintf("rootless: code runs as box uid %d, a subordinate uid of yours from %d on, one per box (%d, then they wrap); boxes' processes count against RLIMIT_NPROC of that uid only", boxUID, first, min(b.sub.n, uidSlots-1)))
+	} else {
+		notes = append(notes, fmt.Sprintf("rootless: code runs as your uid %d, like its agent, so RLIMIT_NPROC counts your own processes too", uid))
+	}
+	if b.cgroups != nil {
+		notes = append(notes, "rootless: boxes' cgroups are under "+b.cgroups.fs.Root()+", with kiln and the process that started it moved into its "+boxkit.DelegateLeaf+" group")
+	}
+	return notes
+}
+
+// sharedUID reports whether code runs as the uid of its agent: rootless,
+// without subordinate ids, a box maps only the user's own uid.
+func (b *Backend) sharedUID() bool { return b.rootless && b.sub == nil }
 
 // Create starts a box and waits for its agent.
 func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (_ sandbox.Sandbox, err error) {
@@ -205,7 +255,7 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (_ sandbox.Sand
 		AgentArgs:  b.agentArgs(spec),
 		Plan:       b.directPlan(lim, env),
 		ResolvConf: resolvConf,
-		Rootless:   b.rootless,
+		Rootless:   b.sharedUID(),
 		Template:   b.opts.Template,
 		TemplateRW: b.opts.TemplateWritable,
 	}
@@ -272,8 +322,11 @@ func (b *Backend) startInit(cl *boxkit.Cleanup) (_ *boxInit, err error) {
 	cmd.Env = []string{}
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = box, box, stderr
 	cmd.ExtraFiles = []*os.File{cfgR, self}
-	var owner int
-	cmd.SysProcAttr, owner = b.procAttr()
+	var owner, slot int
+	cmd.SysProcAttr, owner, slot = b.procAttr()
+	if b.sub != nil {
+		cmd.Args = append(cmd.Args, awaitIDsArg)
+	}
 	if b.rootless {
 		err = cmd.Start()
 	} else {
@@ -291,12 +344,22 @@ func (b *Backend) startInit(cl *boxkit.Cleanup) (_ *boxInit, err error) {
 		return nil
 	}
 	cl.Add(kill)
+	if b.sub != nil {
+		if err := b.sub.mapBox(cmd.Process.Pid, slot); err != nil {
+			return nil, err
+		}
+		if _, err := cfgW.Write([]byte{'\n'}); err != nil {
+			return nil, fmt.Errorf("releasing the mapped init: %w", err)
+		}
+	}
 	return &boxInit{cmd: cmd, host: host, cfg: cfgW, stderr: stderr, waited: waited, owner: owner}, nil
 }
 
-// procAttr is how the box's init starts, and the host uid that owns its
-// user namespace (the box's root).
-func (b *Backend) procAttr() (*syscall.SysProcAttr, int) {
+// procAttr is how the box's init starts, the host uid that owns its user
+// namespace (the box's root), and the box's uid slot. Rootless with
+// subordinate ids, the init starts unmapped, as itself, and startInit maps
+// it (subids_linux.go).
+func (b *Backend) procAttr() (*syscall.SysProcAttr, int, int) {
 	attr := &syscall.SysProcAttr{
 		Cloneflags: syscall.CLONE_NEWUSER | syscall.CLONE_NEWNS | syscall.CLONE_NEWPID |
 			syscall.CLONE_NEWNET | syscall.CLONE_NEWIPC | syscall.CLONE_NEWUTS,
@@ -306,15 +369,20 @@ func (b *Backend) procAttr() (*syscall.SysProcAttr, int) {
 		// holds capabilities there (and only there) to build the root.
 		Credential: &syscall.Credential{Uid: 0, Gid: 0, NoSetGroups: true},
 	}
-	if b.rootless {
+	slot := b.nextSlot()
+	switch {
+	case b.sub != nil:
+		attr.Credential = nil
+		return attr, os.Getuid(), slot
+	case b.rootless:
 		attr.UidMappings = []syscall.SysProcIDMap{{ContainerID: 0, HostID: os.Getuid(), Size: 1}}
 		attr.GidMappings = []syscall.SysProcIDMap{{ContainerID: 0, HostID: os.Getgid(), Size: 1}}
-		return attr, os.Getuid()
+		return attr, os.Getuid(), slot
 	}
-	base := uidBase + b.nextSlot()*uidRange
+	base := uidBase + slot*uidRange
 	attr.UidMappings = []syscall.SysProcIDMap{{ContainerID: 0, HostID: base, Size: uidRange}}
 	attr.GidMappings = []syscall.SysProcIDMap{{ContainerID: 0, HostID: base, Size: uidRange}}
-	return attr, base
+	return attr, base, slot
 }
 
 // startAsOwner starts cmd, whose SysProcAttr creates a user namespace,
@@ -421,7 +489,7 @@ func becomeOwner(owner int) (restore func() error, err error) {
 
 func (b *Backend) agentArgs(spec sandbox.Spec) []string {
 	args := []string{"-workspace", boxplan.Workspace, "-preload", strings.Join(spec.Preload, ",")}
-	if !b.rootless {
+	if !b.sharedUID() {
 		// The agent stays root of the box (agentCaps); code runs as boxUID.
 		args = append(args, "-uid", strconv.Itoa(boxUID), "-gid", strconv.Itoa(boxGID))
 	}

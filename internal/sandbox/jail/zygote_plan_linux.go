@@ -64,7 +64,7 @@ type landlockRule struct {
 // uid, 0, rootless.
 func (b *Backend) directPlan(lim sandbox.Limits, env []string) boxplan.Plan {
 	owner := boxUID
-	if b.rootless {
+	if b.sharedUID() {
 		owner = 0
 	}
 	return b.withTemplate(boxPlan(lim, owner, env))

@@ -167,6 +167,7 @@ print("\n".join(out))`, port)
 		}
 	}},
 	{"a memory bomb is killed and the box answers afterwards", func(t *testing.T, s *suite) {
+		s.needMemoryLimit(t)
 		box := s.box(t)
 		const bomb = "x = bytearray(2 << 30)\nx[::4096] = b'1' * len(x[::4096])"
 		if s.opts.MemoryBombKillsBox {

@@ -378,6 +378,7 @@ n`, hostileMarker), sandbox.ExecOptions{})
 		}
 	}},
 	{"memory bomb in many processes", "the box is killed or refused, and the backend still answers", func(t *testing.T, s *suite) {
+		s.needMemoryLimit(t)
 		box := s.box(t)
 		mib := s.opts.Limits.MemoryBytes >> 20
 		s.needShell(t)

@@ -49,6 +49,11 @@ type Options struct {
 	// threads do not exist there). Cases that probe the kernel's
 	// mechanisms skip with that reason.
 	NoOS string
+	// NoMemoryLimit, when set, says why the backend's boxes have no
+	// memory limit on this host (a rootless jail where no cgroup is
+	// delegated to the user: rlimits only). The memory bombs skip with
+	// that reason; a backend that has one never sets it.
+	NoMemoryLimit string
 }
 
 var (
@@ -62,6 +67,12 @@ var (
 func BuildAgent(t testing.TB) string {
 	t.Helper()
 	agentOnce.Do(func() {
+		// A run as an ordinary user (the rootless jail's) may not reach
+		// the module cache: it is handed a built agent.
+		if p := os.Getenv("KILN_TEST_AGENT"); p != "" {
+			agentPath = p
+			return
+		}
 		out, err := exec.Command("go", "env", "GOMOD").Output()
 		if err != nil {
 			agentErr = fmt.Errorf("finding module root: %w", err)
@@ -187,6 +198,13 @@ func sh(t *testing.T, s *suite, box sandbox.Sandbox, command string) *resultView
 }
 
 // needShell skips a case that needs a shell on a backend without one.
+func (s *suite) needMemoryLimit(t *testing.T) {
+	t.Helper()
+	if s.opts.NoMemoryLimit != "" {
+		t.Skipf("needs a memory limit, and %s", s.opts.NoMemoryLimit)
+	}
+}
+
 func (s *suite) needShell(t *testing.T) {
 	t.Helper()
 	if s.opts.NoShell != "" {
