@@ -76,7 +76,46 @@ type snapStore struct {
 	root    string
 	private bool
 	err     error
-	mu      sync.Mutex // serializes quota checks with the writes they allow
+	// locks serialize one principal's quota checks with the writes they
+	// allow. They are per principal: a box that stalls its own save (a
+	// __reduce__ that sleeps) holds up only its principal's snapshots.
+	locks keyedMutex
+}
+
+// keyedMutex is one mutex per key, forgotten while no one holds or waits
+// for it.
+type keyedMutex struct {
+	mu sync.Mutex
+	m  map[string]*keyedEntry
+}
+
+type keyedEntry struct {
+	sync.Mutex
+	refs int
+}
+
+// lock locks key's mutex and returns what unlocks it.
+func (k *keyedMutex) lock(key string) (unlock func()) {
+	k.mu.Lock()
+	if k.m == nil {
+		k.m = make(map[string]*keyedEntry)
+	}
+	e := k.m[key]
+	if e == nil {
+		e = &keyedEntry{}
+		k.m[key] = e
+	}
+	e.refs++
+	k.mu.Unlock()
+	e.Lock()
+	return func() {
+		e.Unlock()
+		k.mu.Lock()
+		if e.refs--; e.refs == 0 {
+			delete(k.m, key)
+		}
+		k.mu.Unlock()
+	}
 }
 
 func (m *Manager) snapRoot() (string, error) {
@@ -281,8 +320,7 @@ func (s *Session) Snapshot(ctx context.Context, name string) (*sandbox.SnapshotI
 			}
 			return fmt.Errorf("%w: it keeps %d (--max-snapshots): %s. Snapshot under one of these names to replace it, or delete_snapshot one", ErrSnapshotsFull, o.Max, strings.Join(names, ", "))
 		}
-		m.snaps.mu.Lock()
-		defer m.snaps.mu.Unlock()
+		defer m.snaps.locks.lock(s.principal)()
 		used := usedBytes(root, s.principal)
 		if used >= o.Quota {
 			return fmt.Errorf("%w: %d of %d bytes (--snapshot-quota); delete_snapshot one you no longer need", ErrSnapshotQuota, used, o.Quota)
