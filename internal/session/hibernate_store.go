@@ -35,7 +35,9 @@ type hibernator struct {
 	// commit serializes what changes a principal's saved sessions as a
 	// whole: the final rename of a snapshot and evictions for the quota.
 	commit sync.Mutex
-	wg     sync.WaitGroup // checkpoints in flight
+	wg     sync.WaitGroup // checkpoints and the reaper's saves in flight
+	// savers bound the reaper's saves in flight (hibernateIdle).
+	savers saverSlots
 	// stopping is set once shutdown has begun: no new checkpoint starts
 	// (wg.Add must not race with the shutdown's wg.Wait).
 	stopMu   sync.Mutex

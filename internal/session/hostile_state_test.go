@@ -4,11 +4,13 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"testing"
 	"time"
 
 	"kiln/internal/session"
+	"kiln/internal/session/sessiontest"
 )
 
 // stallingSave is a cell whose next save stalls: pickling its global
@@ -58,5 +60,39 @@ func TestSnapshotStallIsolated(t *testing.T) {
 		}
 	case <-time.After(liveness):
 		t.Fatal("the stalled save does not end once released")
+	}
+}
+
+// needDill skips a test of state-level snapshots on a python without dill.
+func needDill(t *testing.T) string {
+	t.Helper()
+	py := sessiontest.Python(t)
+	if exec.Command(py, "-c", "import dill").Run() != nil {
+		t.Skip("needs python3-dill")
+	}
+	return py
+}
+
+// One principal's stalled saves hold up neither another principal's
+// hibernation nor the reaper: more of its sessions stall than the reaper
+// saves at once, and another principal's idle session is still saved.
+func TestReaperStallIsolated(t *testing.T) {
+	b := sessiontest.New(t, &sessiontest.Options{Python: needDill(t)})
+	dir := t.TempDir()
+	mark, release := filepath.Join(dir, "mark"), filepath.Join(dir, "release")
+	defer os.WriteFile(release, nil, 0o600)
+	mgr := hibernating(t, b, t.TempDir(), session.HibernateOptions{After: 300 * time.Millisecond, CheckpointEvery: -1, SaveTimeout: 10 * time.Minute}, session.Options{})
+	for i := range 5 {
+		hibRun(t, mgr, "slow", fmt.Sprintf("s%d", i), stallingSave(mark, release))
+	}
+	waitUntil(t, exists(mark), "a stalling save to start")
+	hibRun(t, mgr, "other", "s", "x = 1")
+	waitUntil(t, func() bool { return stateOf(mgr, "other", "s").State == session.StateHibernated },
+		"another principal's idle session to be hibernated while one principal's saves stall")
+	os.WriteFile(release, nil, 0o600)
+	for i := range 5 {
+		name := fmt.Sprintf("s%d", i)
+		waitUntil(t, func() bool { return stateOf(mgr, "slow", name).State == session.StateHibernated },
+			"the stalled sessions to be hibernated once released")
 	}
 }
