@@ -21,7 +21,8 @@ import (
 // AgentConn moves its bytes, in chunks, into StateArchive in the snapshot
 // directory. Nothing the box sends names a host path or sizes a host
 // buffer beyond one chunk: the archive's size is checked against a cap
-// before the first byte is pulled, every chunk against what was asked.
+// and the caller's budget before the first byte is pulled, every chunk
+// against what was asked, so the host writes at most the size it allowed.
 
 var _ Snapshotter = (*AgentConn)(nil)
 
@@ -59,6 +60,24 @@ func snapshotLimit(ctx context.Context) int64 {
 	return DefaultSnapshotLimit
 }
 
+type snapshotBudgetKey struct{}
+
+// WithSnapshotBudget returns a context under which Snapshot asks claim
+// for the size the box declares for its archive before pulling any of
+// it, and refuses the snapshot with claim's error. A session claims the
+// bytes against its quotas there: what a box declares is all the host
+// will write, as every chunk is checked against it.
+func WithSnapshotBudget(ctx context.Context, claim func(size int64) error) context.Context {
+	return context.WithValue(ctx, snapshotBudgetKey{}, claim)
+}
+
+func snapshotBudget(ctx context.Context, size int64) error {
+	if claim, ok := ctx.Value(snapshotBudgetKey{}).(func(int64) error); ok {
+		return claim(size)
+	}
+	return nil
+}
+
 // SnapshotLimitFor is the cap on the state of a box with these limits.
 func SnapshotLimitFor(l Limits) int64 {
 	l = l.WithDefaults()
@@ -80,6 +99,9 @@ func (c *AgentConn) Snapshot(ctx context.Context, dir string) (*SnapshotInfo, er
 	size, limit := resp.Size, snapshotLimit(ctx)
 	if size > limit {
 		return nil, fmt.Errorf("%w: %d bytes, over the cap of %d (workspace plus memory limit); delete files or variables and try again", ErrSnapshotTooLarge, size, limit)
+	}
+	if err := snapshotBudget(ctx, size); err != nil {
+		return nil, err
 	}
 	f, err := os.OpenFile(filepath.Join(dir, StateArchive), os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
 	if err != nil {

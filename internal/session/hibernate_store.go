@@ -184,7 +184,15 @@ func (h *hibernator) save(ctx context.Context, principal, name string, box sandb
 	if err := os.Mkdir(tmp, 0o700); err != nil {
 		return nil, fmt.Errorf("creating snapshot directory: %w", err)
 	}
-	info, err := sn.Snapshot(sandbox.WithSnapshotLimit(ctx, h.snapLimit), tmp)
+	// A save larger than the whole quota is refused before any of it is
+	// written; makeRoom makes room for the rest once it is.
+	ctx = sandbox.WithSnapshotBudget(sandbox.WithSnapshotLimit(ctx, h.snapLimit), func(n int64) error {
+		if n > h.opts.Quota {
+			return fmt.Errorf("%w: %d bytes, quota %d bytes per principal (--hibernate-quota)", ErrHibernateQuota, n, h.opts.Quota)
+		}
+		return nil
+	})
+	info, err := sn.Snapshot(ctx, tmp)
 	if err != nil {
 		os.RemoveAll(tmp)
 		return nil, fmt.Errorf("snapshotting sandbox: %w", err)

@@ -2,6 +2,7 @@ package session_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -95,4 +96,77 @@ func TestReaperStallIsolated(t *testing.T) {
 		waitUntil(t, func() bool { return stateOf(mgr, "slow", name).State == session.StateHibernated },
 			"the stalled sessions to be hibernated once released")
 	}
+}
+
+// lyingSave is a cell that replaces the kernel driver's save with body,
+// a function of (path, workspace) returning the driver's answer. The
+// driver runs in the code's own process: any cell can do this.
+func lyingSave(body string) string {
+	return `def _lie():
+    import sys
+    f = sys._getframe()
+    while f is not None and f.f_globals.get("__name__") != "kiln_driver":
+        f = f.f_back
+    def fake(path, workspace):
+` + body + `
+    f.f_globals["_state_save"] = fake
+_lie()
+del _lie`
+}
+
+// sparseSave makes the archive a sparse file of n bytes: nothing in the
+// box's disk, n bytes for the host to write.
+func sparseSave(n int64) string {
+	return lyingSave(fmt.Sprintf(`        with open(path, "wb") as fh:
+            fh.truncate(%d)
+        return {"saved": [], "dropped": []}`, n))
+}
+
+// A box that makes its archive huge and sparse gets the quota's error,
+// and the host pulls none of it: the quota is checked before writing,
+// against the size the box declares. A fork's temporary copy counts too,
+// and so does hibernation's quota.
+func TestSnapshotQuotaBeforeWriting(t *testing.T) {
+	const quota, lie = 1 << 20, 64 << 20
+	t.Run("snapshot", func(t *testing.T) {
+		mgr, b := withPython(t, session.Options{Snapshots: session.SnapshotOptions{StateDir: t.TempDir(), Quota: quota}})
+		needDill(t)
+		s := getSession(t, mgr, "q")
+		run(t, s, sparseSave(lie))
+		before := b.Sent()
+		_, err := s.Snapshot(context.Background(), "big")
+		t.Log(err)
+		if !errors.Is(err, session.ErrSnapshotQuota) {
+			t.Errorf("a snapshot of %d bytes against a quota of %d: %v", lie, quota, err)
+		}
+		if pulled := b.Sent() - before; pulled > quota {
+			t.Errorf("the host pulled %d bytes of a snapshot over the quota of %d", pulled, quota)
+		}
+		if got := run(t, s, "print(1 + 1)"); got != "2" {
+			t.Errorf("the session after a refused snapshot: %q", got)
+		}
+	})
+	t.Run("fork", func(t *testing.T) {
+		mgr, _ := withPython(t, session.Options{Snapshots: session.SnapshotOptions{StateDir: t.TempDir(), Quota: quota}})
+		needDill(t)
+		s := getSession(t, mgr, "src")
+		run(t, s, fmt.Sprintf("blob = b'x' * %d", 2*quota))
+		_, err := mgr.Fork(context.Background(), "local", "src", "dst")
+		t.Log(err)
+		if !errors.Is(err, session.ErrSnapshotQuota) {
+			t.Errorf("a fork whose copy is over the quota: %v", err)
+		}
+	})
+	t.Run("hibernate", func(t *testing.T) {
+		b := sessiontest.New(t, &sessiontest.Options{Python: needDill(t)})
+		mgr := hibernating(t, b, t.TempDir(), session.HibernateOptions{Quota: quota, CheckpointEvery: -1}, session.Options{})
+		hibRun(t, mgr, "local", "h", sparseSave(lie))
+		before := b.Sent()
+		if mgr.HibernateNow("local", "h") {
+			t.Error("a session over the hibernation quota was hibernated")
+		}
+		if pulled := b.Sent() - before; pulled > quota {
+			t.Errorf("the host pulled %d bytes of a save over the hibernation quota of %d", pulled, quota)
+		}
+	})
 }

@@ -80,6 +80,76 @@ type snapStore struct {
 	// allow. They are per principal: a box that stalls its own save (a
 	// __reduce__ that sleeps) holds up only its principal's snapshots.
 	locks keyedMutex
+	// claims are the bytes that saves in flight hold against their
+	// principal's quota, by the temporary directory each writes: the
+	// size its box declared, claimed before a byte is written. Changed
+	// with the principal's lock held.
+	claimMu sync.Mutex
+	claims  map[string]snapClaim
+}
+
+type snapClaim struct {
+	principal string
+	bytes     int64
+}
+
+// snapUsed is what the principal's snapshots take: the bytes on disk,
+// but for the temporary directories of saves in flight, whose claims
+// count instead. Call it with the principal's lock held.
+func (m *Manager) snapUsed(root, principal string) int64 {
+	st := &m.snaps
+	skip := map[string]bool{}
+	var claimed int64
+	st.claimMu.Lock()
+	for dir, c := range st.claims {
+		if c.principal == principal {
+			skip[dir] = true
+			claimed += c.bytes
+		}
+	}
+	st.claimMu.Unlock()
+	return treeBytes(principalDir(root, principal), skip) + claimed
+}
+
+// snapClaim returns the budget of a save of principal's into tmp (see
+// sandbox.WithSnapshotBudget): the size its box declares is claimed
+// against the principal's quota before any of it is written, and refused
+// over it. release forgets the claim; call it once tmp is kept under
+// another name or removed. what names the save in the error.
+func (m *Manager) snapClaim(root, principal, tmp, what string) (claim func(int64) error, release func()) {
+	st := &m.snaps
+	claim = func(n int64) error {
+		defer st.locks.lock(principal)()
+		return m.claimLocked(root, principal, tmp, n, what)
+	}
+	release = func() {
+		defer st.locks.lock(principal)()
+		st.claimMu.Lock()
+		delete(st.claims, tmp)
+		st.claimMu.Unlock()
+	}
+	return claim, release
+}
+
+// claimLocked claims n bytes for the save into tmp if they fit in the
+// principal's quota, replacing what it claimed before. Call it with the
+// principal's lock held.
+func (m *Manager) claimLocked(root, principal, tmp string, n int64, what string) error {
+	st := &m.snaps
+	st.claimMu.Lock()
+	if st.claims == nil {
+		st.claims = make(map[string]snapClaim)
+	}
+	st.claims[tmp] = snapClaim{principal: principal}
+	st.claimMu.Unlock()
+	quota := m.opts.Snapshots.Quota
+	if used := m.snapUsed(root, principal); used+n > quota {
+		return fmt.Errorf("%w: %s (%d bytes) would take your snapshots to %d of %d bytes (--snapshot-quota); delete_snapshot one you no longer need", ErrSnapshotQuota, what, n, used+n, quota)
+	}
+	st.claimMu.Lock()
+	st.claims[tmp] = snapClaim{principal: principal, bytes: n}
+	st.claimMu.Unlock()
+	return nil
 }
 
 // keyedMutex is one mutex per key, forgotten while no one holds or waits
@@ -203,11 +273,16 @@ func listSnapshots(dir string) []SnapshotEntry {
 	return out
 }
 
-// usedBytes is what the principal's snapshots take on disk.
-func usedBytes(root, principal string) int64 {
+// treeBytes is the bytes of the regular files under dir, leaving out the
+// directories in skip.
+func treeBytes(dir string, skip map[string]bool) int64 {
 	var n int64
-	filepath.WalkDir(principalDir(root, principal), func(_ string, d os.DirEntry, err error) error {
-		if err == nil && d.Type().IsRegular() {
+	filepath.WalkDir(dir, func(path string, d os.DirEntry, err error) error {
+		switch {
+		case err != nil:
+		case d.IsDir() && skip[path]:
+			return filepath.SkipDir
+		case d.Type().IsRegular():
 			if fi, err := d.Info(); err == nil {
 				n += fi.Size()
 			}
@@ -320,8 +395,9 @@ func (s *Session) Snapshot(ctx context.Context, name string) (*sandbox.SnapshotI
 			}
 			return fmt.Errorf("%w: it keeps %d (--max-snapshots): %s. Snapshot under one of these names to replace it, or delete_snapshot one", ErrSnapshotsFull, o.Max, strings.Join(names, ", "))
 		}
-		defer m.snaps.locks.lock(s.principal)()
-		used := usedBytes(root, s.principal)
+		unlock := m.snaps.locks.lock(s.principal)
+		used := m.snapUsed(root, s.principal)
+		unlock()
 		if used >= o.Quota {
 			return fmt.Errorf("%w: %d of %d bytes (--snapshot-quota); delete_snapshot one you no longer need", ErrSnapshotQuota, used, o.Quota)
 		}
@@ -329,12 +405,17 @@ func (s *Session) Snapshot(ctx context.Context, name string) (*sandbox.SnapshotI
 			return fmt.Errorf("making the snapshot directory: %w", err)
 		}
 		tmp := filepath.Join(sdir, tempName())
-		if info, err = m.saveTo(ctx, box, tmp); err != nil {
+		claim, release := m.snapClaim(root, s.principal, tmp, "this snapshot")
+		defer release()
+		if info, err = m.saveTo(sandbox.WithSnapshotBudget(ctx, claim), box, tmp); err != nil {
 			return err
 		}
-		if used+info.Bytes > o.Quota {
+		// The manifest, or a box without a budget, may take more than
+		// was claimed: what is kept must fit too.
+		defer m.snaps.locks.lock(s.principal)()
+		if err := m.claimLocked(root, s.principal, tmp, info.Bytes, "this snapshot"); err != nil {
 			os.RemoveAll(tmp)
-			return fmt.Errorf("%w: this one (%d bytes) would take your snapshots to %d of %d bytes (--snapshot-quota); delete_snapshot one you no longer need", ErrSnapshotQuota, info.Bytes, used+info.Bytes, o.Quota)
+			return err
 		}
 		dst := snapDir(root, s.principal, s.name, name)
 		os.RemoveAll(dst)
@@ -443,12 +524,18 @@ func (m *Manager) Fork(ctx context.Context, principal, src, dst string) (*Restor
 	if err := os.MkdirAll(pdir, 0o700); err != nil {
 		return nil, fmt.Errorf("making the snapshot directory: %w", err)
 	}
+	// The copy counts against the principal's quota while it exists.
 	tmp := filepath.Join(pdir, tempName())
+	const what = "the fork's temporary copy of the session"
+	claim, release := m.snapClaim(root, principal, tmp, what)
+	defer release()
 	defer os.RemoveAll(tmp)
 	var info *sandbox.SnapshotInfo
 	err = from.WithLiveBox(ctx, func(box sandbox.Sandbox) error {
-		info, err = m.saveTo(ctx, box, tmp)
-		return err
+		if info, err = m.saveTo(sandbox.WithSnapshotBudget(ctx, claim), box, tmp); err != nil {
+			return err
+		}
+		return claim(info.Bytes)
 	})
 	if errors.Is(err, ErrNoBox) {
 		return nil, fmt.Errorf("session %q: %w", src, ErrNothingToSave)
