@@ -10,8 +10,10 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
+	"unicode"
 
 	"kiln/internal/agentproto"
 )
@@ -39,6 +41,35 @@ const stateChunk = 4 << 20
 
 // maxManifest bounds a manifest as read from a snapshot directory.
 const maxManifest = 1 << 20
+
+// MaxStateText bounds the text a snapshot keeps of each of the box's
+// lists (the globals it saved, what it dropped): the box names them, and
+// the agent's bounds (agentproto.MaxStateNames entries of MaxStateEntry
+// bytes) allow a megabyte each, more than a manifest may hold (maxManifest)
+// and more than a result should carry.
+const MaxStateText = 16 << 10
+
+// BoundStateText returns the box's list cut to MaxStateText bytes, the
+// last entry saying how many more there were, each entry valid UTF-8 on
+// one line.
+func BoundStateText(entries []string) []string {
+	var out []string
+	left := MaxStateText
+	for i, e := range entries {
+		e = strings.Map(func(r rune) rune {
+			if unicode.IsControl(r) {
+				return ' '
+			}
+			return r
+		}, strings.ToValidUTF8(e, "\uFFFD"))
+		if len(e) > left {
+			return append(out, fmt.Sprintf("… and %d more", len(entries)-i))
+		}
+		left -= len(e)
+		out = append(out, e)
+	}
+	return out
+}
 
 // DefaultSnapshotLimit caps a snapshot's archive when the caller sets no
 // cap: the default workspace and memory limits together.
@@ -135,8 +166,8 @@ func (c *AgentConn) Snapshot(ctx context.Context, dir string) (*SnapshotInfo, er
 		Created: start.UTC(),
 		Took:    time.Since(start),
 		SHA256:  hex.EncodeToString(h.Sum(nil)),
-		Saved:   resp.State.Saved,
-		Dropped: resp.State.Dropped,
+		Saved:   BoundStateText(resp.State.Saved),
+		Dropped: BoundStateText(resp.State.Dropped),
 	}
 	if err := WriteManifest(dir, info); err != nil {
 		return nil, err
@@ -171,6 +202,9 @@ func WriteManifest(dir string, info *SnapshotInfo) error {
 			break
 		}
 		n = int64(len(b))
+	}
+	if len(b) > maxManifest { // it could not be read back: refused now
+		return fmt.Errorf("writing manifest: %d bytes, over the %d a manifest may take", len(b), maxManifest)
 	}
 	tmp := filepath.Join(dir, "."+ManifestName+".tmp")
 	if err := os.WriteFile(tmp, b, 0o600); err != nil {
@@ -256,5 +290,5 @@ func (c *AgentConn) LoadState(ctx context.Context, dir string, info *SnapshotInf
 	if err != nil {
 		return nil, fmt.Errorf("loading box state: %w", err)
 	}
-	return resp.State.Dropped, nil
+	return BoundStateText(resp.State.Dropped), nil
 }

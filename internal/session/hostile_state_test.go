@@ -7,9 +7,11 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
+	"kiln/internal/sandbox"
 	"kiln/internal/session"
 	"kiln/internal/session/sessiontest"
 )
@@ -169,4 +171,61 @@ func TestSnapshotQuotaBeforeWriting(t *testing.T) {
 			t.Errorf("the host pulled %d bytes of a save over the hibernation quota of %d", pulled, quota)
 		}
 	})
+}
+
+// A box's save-state answer may name 2×2048 entries of 512 bytes: more
+// than a manifest may hold. The snapshot is kept with its lists bounded
+// (listed, counted against --max-snapshots, and the result carries no
+// megabyte of box text), and a kept snapshot whose manifest cannot be read
+// is still listed and counted.
+func TestSnapshotLyingManifest(t *testing.T) {
+	dir := t.TempDir()
+	mgr := withSnapshots(t, session.Options{Snapshots: session.SnapshotOptions{StateDir: dir, Max: 1}})
+	ctx := context.Background()
+	s := getSession(t, mgr, "lie")
+	run(t, s, lyingSave(`        open(path, "wb").close()
+        return {"saved": ["s%04d" % i + "x" * 500 for i in range(2048)],
+                "dropped": ["d%04d" % i + "y\n" * 250 for i in range(2048)]}`))
+	info, err := s.Snapshot(ctx, "one")
+	if err != nil {
+		t.Fatalf("a snapshot whose box names too much: %v", err)
+	}
+	var text int
+	for _, e := range append(append([]string(nil), info.Saved...), info.Dropped...) {
+		text += len(e)
+		if strings.Contains(e, "\n") {
+			t.Errorf("a line break of the box's in %q", e[:min(len(e), 40)])
+			break
+		}
+	}
+	if text > 64<<10 {
+		t.Errorf("the snapshot's report holds %d bytes of the box's text", text)
+	}
+	list, err := mgr.Snapshots("local", "lie")
+	if err != nil || len(list) != 1 || list[0].Name != "one" {
+		t.Fatalf("listed %v, %v; want the snapshot", list, err)
+	}
+	if _, err := s.Snapshot(ctx, "two"); !errors.Is(err, session.ErrSnapshotsFull) {
+		t.Errorf("a second snapshot past --max-snapshots 1: %v", err)
+	}
+
+	// A manifest over the read cap on disk (damage, or an older kiln).
+	manifests, _ := filepath.Glob(filepath.Join(dir, "snapshots", "*", "s-lie", "n-one", sandbox.ManifestName))
+	if len(manifests) != 1 {
+		t.Fatalf("manifests: %v", manifests)
+	}
+	os.WriteFile(manifests[0], []byte(`{"saved": ["`+strings.Repeat("x", 2<<20)+`"]}`), 0o600)
+	list, err = mgr.Snapshots("local", "lie")
+	if err != nil || len(list) != 1 || list[0].Name != "one" || list[0].Unreadable == "" {
+		t.Errorf("listed %+v, %v; want the unreadable snapshot, saying so", list, err)
+	}
+	if _, err := s.Snapshot(ctx, "two"); !errors.Is(err, session.ErrSnapshotsFull) {
+		t.Errorf("past --max-snapshots 1 with an unreadable snapshot: %v", err)
+	}
+	if err := mgr.DeleteSnapshot("local", "lie", "one"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Snapshot(ctx, "two"); err != nil {
+		t.Errorf("once the unreadable one is deleted: %v", err)
+	}
 }

@@ -238,6 +238,11 @@ func snapDir(root, principal, session, name string) string {
 type SnapshotEntry struct {
 	Name string
 	*sandbox.SnapshotInfo
+	// Unreadable says why the snapshot's manifest cannot be read ("":
+	// it can): it cannot be restored, but it still counts against
+	// --max-snapshots and the quota until it is deleted. Its SnapshotInfo
+	// has only Bytes then.
+	Unreadable string
 }
 
 // Snapshots lists the principal's snapshots of session, oldest first.
@@ -263,9 +268,17 @@ func listSnapshots(dir string) []SnapshotEntry {
 		if !ok || !e.IsDir() {
 			continue
 		}
-		info, err := sandbox.ReadManifest(filepath.Join(dir, e.Name()))
+		if !ValidName(name) {
+			continue
+		}
+		// A kept snapshot that cannot be read is listed and counted all
+		// the same, so that it is seen, and deleted, rather than taking
+		// room no one can see. (Half-written ones have a temporary name.)
+		path := filepath.Join(dir, e.Name())
+		info, err := sandbox.ReadManifest(path)
 		if err != nil {
-			continue // half written, or corrupt: not offered
+			out = append(out, SnapshotEntry{Name: name, SnapshotInfo: &sandbox.SnapshotInfo{Bytes: treeBytes(path, nil)}, Unreadable: err.Error()})
+			continue
 		}
 		out = append(out, SnapshotEntry{Name: name, SnapshotInfo: info})
 	}
