@@ -81,7 +81,7 @@ func (s *Server) addSnapshotTools() {
 // model can act on verbatim, the rest through failure.
 func (s *Server) snapshotFailure(req *mcp.CallToolRequest, err error) *mcp.CallToolResult {
 	for _, known := range []error{session.ErrNoSnapshot, session.ErrSnapshotExists, session.ErrSnapshotsFull,
-		session.ErrSnapshotQuota, session.ErrNoSnapshotBoxes, session.ErrPerCallMode, session.ErrNothingToSave, session.ErrNoSession,
+		session.ErrSnapshotQuota, session.ErrStateQuota, session.ErrNoSnapshotBoxes, session.ErrPerCallMode, session.ErrNothingToSave, session.ErrNoSession,
 		sandbox.ErrCorruptSnapshot, sandbox.ErrSnapshotTooLarge, sandbox.ErrSnapshotFormat} {
 		if errors.Is(err, known) {
 			return toolError("%v", err)

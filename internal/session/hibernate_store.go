@@ -38,6 +38,8 @@ type hibernator struct {
 	wg     sync.WaitGroup // checkpoints and the reaper's saves in flight
 	// savers bound the reaper's saves in flight (hibernateIdle).
 	savers saverSlots
+	// state is the cap on every principal's saved state (nil: none).
+	state *stateCap
 	// stopping is set once shutdown has begun: no new checkpoint starts
 	// (wg.Add must not race with the shutdown's wg.Wait).
 	stopMu   sync.Mutex
@@ -186,18 +188,29 @@ func (h *hibernator) save(ctx context.Context, principal, name string, box sandb
 	}
 	// A save larger than the whole quota is refused before any of it is
 	// written; makeRoom makes room for the rest once it is.
-	ctx = sandbox.WithSnapshotBudget(sandbox.WithSnapshotLimit(ctx, h.snapLimit), func(n int64) error {
+	claim := func(n int64) error {
 		if n > h.opts.Quota {
 			return fmt.Errorf("%w: %d bytes, quota %d bytes per principal (--hibernate-quota)", ErrHibernateQuota, n, h.opts.Quota)
 		}
+		if h.state != nil {
+			return h.state.claim(tmp, n, key{principal, name})
+		}
 		return nil
-	})
+	}
+	if h.state != nil {
+		defer h.state.release(tmp) // after the commit below
+	}
+	ctx = sandbox.WithSnapshotBudget(sandbox.WithSnapshotLimit(ctx, h.snapLimit), claim)
 	info, err := sn.Snapshot(ctx, tmp)
 	if err != nil {
 		os.RemoveAll(tmp)
 		return nil, fmt.Errorf("snapshotting sandbox: %w", err)
 	}
 	size := dirSize(tmp)
+	if err := claim(size); err != nil { // what is kept, the manifest with it
+		os.RemoveAll(tmp)
+		return nil, err
+	}
 	h.commit.Lock()
 	defer h.commit.Unlock()
 	if err := h.makeRoom(principal, name, size, live); err != nil {

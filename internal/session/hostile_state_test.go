@@ -229,3 +229,62 @@ func TestSnapshotLyingManifest(t *testing.T) {
 		t.Errorf("once the unreadable one is deleted: %v", err)
 	}
 }
+
+// Every principal's snapshots and hibernated sessions together stay within
+// StateQuota: a save past it expires the oldest hibernated sessions of any
+// principal, and one that still would not fit is refused, expiring none.
+func TestStateQuota(t *testing.T) {
+	const blob, quota = 300 << 10, 1 << 20
+	b := sessiontest.New(t, &sessiontest.Options{Python: needDill(t)})
+	state := t.TempDir()
+	mgr := hibernating(t, b, filepath.Join(state, "hibernated"), session.HibernateOptions{CheckpointEvery: -1},
+		session.Options{Snapshots: session.SnapshotOptions{StateDir: state}, StateQuota: quota})
+	ctx := context.Background()
+	fill := fmt.Sprintf("blob = b'x' * %d", blob)
+	for _, p := range []string{"p1", "p2"} {
+		hibRun(t, mgr, p, "s", fill)
+		if !mgr.HibernateNow(p, "s") {
+			t.Fatalf("%s's session was not hibernated", p)
+		}
+	}
+	snap := func(p string, code string) error {
+		hibRun(t, mgr, p, "s", code)
+		s, err := mgr.Get(p, "s")
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = s.Snapshot(ctx, "snap")
+		return err
+	}
+	if err := snap("p3", fill); err != nil {
+		t.Fatalf("p3's snapshot within the cap: %v", err)
+	}
+	if err := snap("p4", fill); err != nil {
+		t.Fatalf("p4's snapshot, once the oldest hibernation makes room: %v", err)
+	}
+	if si := stateOf(mgr, "p1", "s"); si.State == session.StateHibernated {
+		t.Error("the oldest hibernated session was not expired to make room")
+	}
+	if si := stateOf(mgr, "p2", "s"); si.State != session.StateHibernated {
+		t.Errorf("p2's hibernated session was expired too: %q", si.State)
+	}
+	err := snap("p5", fmt.Sprintf("blob = b'x' * %d", 2*blob))
+	if !errors.Is(err, session.ErrStateQuota) || !strings.Contains(err.Error(), "--state-quota") {
+		t.Errorf("a snapshot that cannot fit even with every hibernation gone: %v", err)
+	}
+	if si := stateOf(mgr, "p2", "s"); si.State != session.StateHibernated {
+		t.Errorf("a refused save expired p2's hibernated session: %q", si.State)
+	}
+	var used int64
+	filepath.WalkDir(state, func(_ string, d os.DirEntry, err error) error {
+		if err == nil && d.Type().IsRegular() {
+			if fi, err := d.Info(); err == nil {
+				used += fi.Size()
+			}
+		}
+		return nil
+	})
+	if used > quota {
+		t.Errorf("the state directory holds %d bytes, over the cap of %d", used, quota)
+	}
+}

@@ -127,6 +127,7 @@ func (m *Manager) snapClaim(root, principal, tmp, what string) (claim func(int64
 		st.claimMu.Lock()
 		delete(st.claims, tmp)
 		st.claimMu.Unlock()
+		m.state.release(tmp)
 	}
 	return claim, release
 }
@@ -145,6 +146,9 @@ func (m *Manager) claimLocked(root, principal, tmp string, n int64, what string)
 	quota := m.opts.Snapshots.Quota
 	if used := m.snapUsed(root, principal); used+n > quota {
 		return fmt.Errorf("%w: %s (%d bytes) would take your snapshots to %d of %d bytes (--snapshot-quota); delete_snapshot one you no longer need", ErrSnapshotQuota, what, n, used+n, quota)
+	}
+	if err := m.state.claim(tmp, n, key{}); err != nil {
+		return err
 	}
 	st.claimMu.Lock()
 	st.claims[tmp] = snapClaim{principal: principal, bytes: n}
