@@ -587,7 +587,7 @@ func (m *Manager) finishJob(j *Job, out *Outcome, produced []Produced, err error
 
 // bound cuts the results of principal's finished jobs ("": everyone's),
 // collected ones first, then the oldest, until over() is no longer
-// positive. Call with t.mu held.
+// positive, and then forgets them in the same order. Call with t.mu held.
 func (t *jobTable) bound(principal string, over func() int64) {
 	if over() <= 0 {
 		return
@@ -599,7 +599,7 @@ func (t *jobTable) bound(principal string, over func() int64) {
 	}
 	var cands []candidate
 	for _, j := range t.byID {
-		if principal != "" && j.principal != principal || j.held == 0 || j.cut {
+		if principal != "" && j.principal != principal || j.held == 0 {
 			continue
 		}
 		j.mu.Lock()
@@ -616,7 +616,18 @@ func (t *jobTable) bound(principal string, over func() int64) {
 		if over() <= 0 {
 			return
 		}
-		t.cut(c.j)
+		if !c.j.cut {
+			t.cut(c.j)
+		}
+	}
+	// Summaries count too (many principals with a few jobs each): past
+	// the bound with every result cut, the oldest jobs are forgotten, as
+	// at the end of the retention.
+	for _, c := range cands {
+		if over() <= 0 {
+			return
+		}
+		t.forget(c.j)
 	}
 }
 

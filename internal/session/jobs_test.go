@@ -400,3 +400,30 @@ func TestJobResultsBounded(t *testing.T) {
 		t.Errorf("the oldest job's cut result: exit %d, %d of %d bytes of stdout, note %q", o.ExitCode, len(o.Stdout.Text), o.Stdout.Total, o.Note)
 	}
 }
+
+// Summaries count too: once every result is cut and the bound is still
+// passed (many principals, each with a few jobs), the oldest finished
+// jobs are forgotten, as at the end of --job-retention.
+func TestJobSummariesBounded(t *testing.T) {
+	const stream, all = 64 << 10, 40 << 10
+	mgr, _ := inProcess(t, session.Options{Mode: session.ModePerCall, MaxOutput: stream,
+		Jobs: session.JobOptions{MaxBytes: all}})
+	ctx := context.Background()
+	var first string
+	for i := range 8 {
+		j, err := mgr.StartOnce(ctx, fmt.Sprint("p", i), session.Shell, fmt.Sprintf("head -c %d /dev/zero | tr '\\0' o", stream), nil, liveness)
+		if err != nil {
+			t.Fatal(err)
+		}
+		waitUntil(t, j.Done, "a job to end")
+		if i == 0 {
+			first = j.ID()
+		}
+	}
+	if n := mgr.HeldJobBytes(""); n > all {
+		t.Errorf("finished jobs hold %d bytes of summaries, over the bound of %d", n, all)
+	}
+	if _, err := mgr.Job("p0", first); !errors.Is(err, session.ErrNoJob) {
+		t.Errorf("the oldest job, past the bound with every result cut: %v", err)
+	}
+}
