@@ -269,6 +269,7 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		Jobs:           c.jobs.options(),
 		Hibernate:      hib,
 		Snapshots:      c.snapshots.options(),
+		StateQuota:     c.snapshots.stateQuota(),
 		Logger:         log,
 		Observer:       obs.observer(),
 	}))

@@ -81,7 +81,7 @@ func (s *Server) addSnapshotTools() {
 // model can act on verbatim, the rest through failure.
 func (s *Server) snapshotFailure(req *mcp.CallToolRequest, err error) *mcp.CallToolResult {
 	for _, known := range []error{session.ErrNoSnapshot, session.ErrSnapshotExists, session.ErrSnapshotsFull,
-		session.ErrSnapshotQuota, session.ErrNoSnapshotBoxes, session.ErrPerCallMode, session.ErrNothingToSave, session.ErrNoSession,
+		session.ErrSnapshotQuota, session.ErrStateQuota, session.ErrNoSnapshotBoxes, session.ErrPerCallMode, session.ErrNothingToSave, session.ErrNoSession,
 		sandbox.ErrCorruptSnapshot, sandbox.ErrSnapshotTooLarge, sandbox.ErrSnapshotFormat} {
 		if errors.Is(err, known) {
 			return toolError("%v", err)
@@ -147,6 +147,10 @@ func (s *Server) listSnapshots(ctx context.Context, req *mcp.CallToolRequest, ar
 	var b strings.Builder
 	fmt.Fprintf(&b, "[session: %s] %d snapshots (at most %d):\n", name, len(list), s.mgr.Options().Snapshots.Max)
 	for _, e := range list {
+		if e.Unreadable != "" {
+			fmt.Fprintf(&b, "- %s: cannot be read (%s), %s; it still counts against the limits: delete_snapshot it\n", e.Name, e.Unreadable, size(e.Bytes))
+			continue
+		}
 		fmt.Fprintf(&b, "- %s: taken %s, %s, %d variables", e.Name, e.Created.Format(time.RFC3339), size(e.Bytes), len(e.Saved))
 		if len(e.Dropped) > 0 {
 			fmt.Fprintf(&b, ", not kept: %s", strings.Join(e.Dropped, "; "))

@@ -10,8 +10,10 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
+	"unicode"
 
 	"kiln/internal/agentproto"
 )
@@ -21,7 +23,8 @@ import (
 // AgentConn moves its bytes, in chunks, into StateArchive in the snapshot
 // directory. Nothing the box sends names a host path or sizes a host
 // buffer beyond one chunk: the archive's size is checked against a cap
-// before the first byte is pulled, every chunk against what was asked.
+// and the caller's budget before the first byte is pulled, every chunk
+// against what was asked, so the host writes at most the size it allowed.
 
 var _ Snapshotter = (*AgentConn)(nil)
 
@@ -38,6 +41,35 @@ const stateChunk = 4 << 20
 
 // maxManifest bounds a manifest as read from a snapshot directory.
 const maxManifest = 1 << 20
+
+// MaxStateText bounds the text a snapshot keeps of each of the box's
+// lists (the globals it saved, what it dropped): the box names them, and
+// the agent's bounds (agentproto.MaxStateNames entries of MaxStateEntry
+// bytes) allow a megabyte each, more than a manifest may hold (maxManifest)
+// and more than a result should carry.
+const MaxStateText = 16 << 10
+
+// BoundStateText returns the box's list cut to MaxStateText bytes, the
+// last entry saying how many more there were, each entry valid UTF-8 on
+// one line.
+func BoundStateText(entries []string) []string {
+	var out []string
+	left := MaxStateText
+	for i, e := range entries {
+		e = strings.Map(func(r rune) rune {
+			if unicode.IsControl(r) {
+				return ' '
+			}
+			return r
+		}, strings.ToValidUTF8(e, "\uFFFD"))
+		if len(e) > left {
+			return append(out, fmt.Sprintf("… and %d more", len(entries)-i))
+		}
+		left -= len(e)
+		out = append(out, e)
+	}
+	return out
+}
 
 // DefaultSnapshotLimit caps a snapshot's archive when the caller sets no
 // cap: the default workspace and memory limits together.
@@ -57,6 +89,24 @@ func snapshotLimit(ctx context.Context) int64 {
 		return n
 	}
 	return DefaultSnapshotLimit
+}
+
+type snapshotBudgetKey struct{}
+
+// WithSnapshotBudget returns a context under which Snapshot asks claim
+// for the size the box declares for its archive before pulling any of
+// it, and refuses the snapshot with claim's error. A session claims the
+// bytes against its quotas there: what a box declares is all the host
+// will write, as every chunk is checked against it.
+func WithSnapshotBudget(ctx context.Context, claim func(size int64) error) context.Context {
+	return context.WithValue(ctx, snapshotBudgetKey{}, claim)
+}
+
+func snapshotBudget(ctx context.Context, size int64) error {
+	if claim, ok := ctx.Value(snapshotBudgetKey{}).(func(int64) error); ok {
+		return claim(size)
+	}
+	return nil
 }
 
 // SnapshotLimitFor is the cap on the state of a box with these limits.
@@ -80,6 +130,9 @@ func (c *AgentConn) Snapshot(ctx context.Context, dir string) (*SnapshotInfo, er
 	size, limit := resp.Size, snapshotLimit(ctx)
 	if size > limit {
 		return nil, fmt.Errorf("%w: %d bytes, over the cap of %d (workspace plus memory limit); delete files or variables and try again", ErrSnapshotTooLarge, size, limit)
+	}
+	if err := snapshotBudget(ctx, size); err != nil {
+		return nil, err
 	}
 	f, err := os.OpenFile(filepath.Join(dir, StateArchive), os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
 	if err != nil {
@@ -113,8 +166,8 @@ func (c *AgentConn) Snapshot(ctx context.Context, dir string) (*SnapshotInfo, er
 		Created: start.UTC(),
 		Took:    time.Since(start),
 		SHA256:  hex.EncodeToString(h.Sum(nil)),
-		Saved:   resp.State.Saved,
-		Dropped: resp.State.Dropped,
+		Saved:   BoundStateText(resp.State.Saved),
+		Dropped: BoundStateText(resp.State.Dropped),
 	}
 	if err := WriteManifest(dir, info); err != nil {
 		return nil, err
@@ -149,6 +202,9 @@ func WriteManifest(dir string, info *SnapshotInfo) error {
 			break
 		}
 		n = int64(len(b))
+	}
+	if len(b) > maxManifest { // it could not be read back: refused now
+		return fmt.Errorf("writing manifest: %d bytes, over the %d a manifest may take", len(b), maxManifest)
 	}
 	tmp := filepath.Join(dir, "."+ManifestName+".tmp")
 	if err := os.WriteFile(tmp, b, 0o600); err != nil {
@@ -234,5 +290,5 @@ func (c *AgentConn) LoadState(ctx context.Context, dir string, info *SnapshotInf
 	if err != nil {
 		return nil, fmt.Errorf("loading box state: %w", err)
 	}
-	return resp.State.Dropped, nil
+	return BoundStateText(resp.State.Dropped), nil
 }

@@ -226,3 +226,28 @@ func (noBackend) Create(context.Context, Spec) (Sandbox, error) {
 	return nil, errors.New("no boxes here")
 }
 func (noBackend) Close() error { return nil }
+
+// What a box names in its state answer is kept within MaxStateText, on
+// one line per entry, and a manifest too large to read back is refused
+// when it is written.
+func TestBoundStateText(t *testing.T) {
+	many := make([]string, agentproto.MaxStateNames)
+	for i := range many {
+		many[i] = strings.Repeat("x", agentproto.MaxStateEntry)
+	}
+	got := BoundStateText(many)
+	var n int
+	for _, e := range got {
+		n += len(e)
+	}
+	if n > MaxStateText+64 || !strings.HasPrefix(got[len(got)-1], "… and ") {
+		t.Errorf("bounded to %d entries, %d bytes, last %q", len(got), n, got[len(got)-1])
+	}
+	if got := BoundStateText([]string{"a\nb\x1b[2J", "ok", "\xff"}); !slices.Equal(got, []string{"a b [2J", "ok", "\uFFFD"}) {
+		t.Errorf("control characters and bad UTF-8: %q", got)
+	}
+	dir := t.TempDir()
+	if err := WriteManifest(dir, &SnapshotInfo{Format: FormatState, Saved: many}); err == nil {
+		t.Error("wrote a manifest over the read cap")
+	}
+}

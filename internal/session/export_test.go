@@ -1,5 +1,7 @@
 package session
 
+import "kiln/internal/agentproto"
+
 // HibernateNow hibernates the principal's session at once, as the reaper
 // does once it is idle past --hibernate-after (benchmarks, tests).
 func (m *Manager) HibernateNow(principal, name string) bool {
@@ -11,4 +13,31 @@ func (m *Manager) HibernateNow(principal, name string) bool {
 	}
 	m.hibernate(s)
 	return s.wasHibernated()
+}
+
+// HeldJobBytes counts, apart from the manager's own accounting, the bytes
+// of results the finished jobs of principal hold ("": every principal's).
+func (m *Manager) HeldJobBytes(principal string) int64 {
+	m.jobs.mu.Lock()
+	defer m.jobs.mu.Unlock()
+	var n int64
+	for _, j := range m.jobs.byID {
+		if principal != "" && j.principal != principal {
+			continue
+		}
+		j.mu.Lock()
+		if out := j.out; out != nil && out.ExecResult != nil {
+			n += int64(len(out.Stdout.Text) + len(out.Stderr.Text))
+			for _, b := range append([]agentproto.MimeBundle{out.Result}, out.Displays...) {
+				for _, v := range b {
+					n += int64(len(v))
+				}
+			}
+		}
+		for _, p := range j.produced {
+			n += int64(len(p.Data))
+		}
+		j.mu.Unlock()
+	}
+	return n
 }

@@ -264,12 +264,23 @@ func (m *Manager) reapEvery() time.Duration {
 	return max(d, 10*time.Millisecond)
 }
 
-// hibernateIdle, on each round of the reaper: hibernates sessions idle
-// past After, checkpoints those with unsaved work older than
-// CheckpointEvery, and expires saved sessions past the TTL.
+// hibernateIdle, on each round of the reaper: starts saving sessions idle
+// past After (hibernation) and those with unsaved work older than
+// CheckpointEvery (checkpoints), and expires saved sessions past the TTL.
+// It does not wait for the saves: a box can stall its own save for up to
+// SaveTimeout, and the reaper's other work (the idle TTL, expiry) must
+// not wait behind it. The saves run at most reapSavers at once and one
+// per principal, oldest idle first, so one principal's stalled saves
+// hold up one slot, never another principal's sessions; a session left
+// out is taken on a later round.
 func (m *Manager) hibernateIdle() {
 	h := m.hib
-	var idle, due []*Session
+	type candidate struct {
+		s    *Session
+		idle bool // hibernate it; else checkpoint it
+		used time.Time
+	}
+	var due []candidate
 	now := time.Now()
 	m.mu.Lock()
 	for _, s := range m.sessions {
@@ -277,20 +288,72 @@ func (m *Manager) hibernateIdle() {
 		switch {
 		case s.box == nil || s.job != nil:
 		case !s.hib.failed && now.Sub(s.lastUsed) > h.opts.After:
-			idle = append(idle, s)
+			due = append(due, candidate{s, true, s.lastUsed})
 		case !s.hib.failed && s.hib.dirty && h.opts.CheckpointEvery > 0 && now.Sub(s.hib.mark) >= h.opts.CheckpointEvery:
-			due = append(due, s)
+			due = append(due, candidate{s, false, s.hib.mark})
 		}
 		s.mu.Unlock()
 	}
 	m.mu.Unlock()
-	for _, s := range idle {
-		m.hibernate(s)
-	}
-	for _, s := range due {
-		m.checkpoint(s, false)
+	sort.Slice(due, func(i, j int) bool { return due[i].used.Before(due[j].used) })
+	for _, c := range due {
+		if !h.savers.take(c.s.principal) {
+			continue
+		}
+		save := func() { m.checkpoint(c.s, false) }
+		if c.idle {
+			save = func() { m.hibernate(c.s) }
+		}
+		if !h.goSave(func() { defer h.savers.give(c.s.principal); save() }) {
+			h.savers.give(c.s.principal)
+			break // shutting down: the shutdown saves them
+		}
 	}
 	h.expire(m.isLive)
+}
+
+// reapSavers bounds the saves the reaper runs at once.
+const reapSavers = 4
+
+// saverSlots bound the reaper's saves in flight: reapSavers in all, one
+// per principal.
+type saverSlots struct {
+	mu   sync.Mutex
+	busy map[string]bool // principals with a save in flight
+}
+
+// take claims a slot for a save of principal's; false if none is free or
+// the principal already has one.
+func (q *saverSlots) take(principal string) bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.busy == nil {
+		q.busy = make(map[string]bool)
+	}
+	if q.busy[principal] || len(q.busy) >= reapSavers {
+		return false
+	}
+	q.busy[principal] = true
+	return true
+}
+
+func (q *saverSlots) give(principal string) {
+	q.mu.Lock()
+	delete(q.busy, principal)
+	q.mu.Unlock()
+}
+
+// goSave runs save in the background, counted by wg so that shutdown
+// waits for it; false, and nothing runs, once shutdown has begun.
+func (h *hibernator) goSave(save func()) bool {
+	h.stopMu.Lock()
+	defer h.stopMu.Unlock()
+	if h.stopping {
+		return false
+	}
+	h.wg.Add(1)
+	go func() { defer h.wg.Done(); save() }()
+	return true
 }
 
 // hibernate saves an idle session and destroys its box, if the session's
@@ -402,15 +465,9 @@ func (m *Manager) checkpoint(s *Session, background bool) {
 		defer func() { s.turn <- struct{}{} }()
 		m.saveLive(s)
 	}
-	h := m.hib
-	h.stopMu.Lock()
-	defer h.stopMu.Unlock()
-	if h.stopping {
-		done()
-		return // the shutdown saves it
+	if !m.hib.goSave(run) {
+		done() // the shutdown saves it
 	}
-	h.wg.Add(1)
-	go func() { defer h.wg.Done(); run() }()
 }
 
 // saveLive snapshots a live session's box, which keeps running. Call it on

@@ -35,7 +35,11 @@ type hibernator struct {
 	// commit serializes what changes a principal's saved sessions as a
 	// whole: the final rename of a snapshot and evictions for the quota.
 	commit sync.Mutex
-	wg     sync.WaitGroup // checkpoints in flight
+	wg     sync.WaitGroup // checkpoints and the reaper's saves in flight
+	// savers bound the reaper's saves in flight (hibernateIdle).
+	savers saverSlots
+	// state is the cap on every principal's saved state (nil: none).
+	state *stateCap
 	// stopping is set once shutdown has begun: no new checkpoint starts
 	// (wg.Add must not race with the shutdown's wg.Wait).
 	stopMu   sync.Mutex
@@ -182,12 +186,31 @@ func (h *hibernator) save(ctx context.Context, principal, name string, box sandb
 	if err := os.Mkdir(tmp, 0o700); err != nil {
 		return nil, fmt.Errorf("creating snapshot directory: %w", err)
 	}
-	info, err := sn.Snapshot(sandbox.WithSnapshotLimit(ctx, h.snapLimit), tmp)
+	// A save larger than the whole quota is refused before any of it is
+	// written; makeRoom makes room for the rest once it is.
+	claim := func(n int64) error {
+		if n > h.opts.Quota {
+			return fmt.Errorf("%w: %d bytes, quota %d bytes per principal (--hibernate-quota)", ErrHibernateQuota, n, h.opts.Quota)
+		}
+		if h.state != nil {
+			return h.state.claim(tmp, n, key{principal, name})
+		}
+		return nil
+	}
+	if h.state != nil {
+		defer h.state.release(tmp) // after the commit below
+	}
+	ctx = sandbox.WithSnapshotBudget(sandbox.WithSnapshotLimit(ctx, h.snapLimit), claim)
+	info, err := sn.Snapshot(ctx, tmp)
 	if err != nil {
 		os.RemoveAll(tmp)
 		return nil, fmt.Errorf("snapshotting sandbox: %w", err)
 	}
 	size := dirSize(tmp)
+	if err := claim(size); err != nil { // what is kept, the manifest with it
+		os.RemoveAll(tmp)
+		return nil, err
+	}
 	h.commit.Lock()
 	defer h.commit.Unlock()
 	if err := h.makeRoom(principal, name, size, live); err != nil {

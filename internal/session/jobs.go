@@ -35,6 +35,11 @@ type JobOptions struct {
 	// PerPrincipal caps the jobs one principal holds, running or finished
 	// and kept (DefaultJobsPerPrincipal).
 	PerPrincipal int
+	// MaxBytes bounds the results finished jobs hold in memory, of all
+	// principals together (DefaultJobBytes), and MaxBytesPerPrincipal
+	// those of one principal (DefaultJobBytesPerPrincipal). Past them, the
+	// oldest results are cut to a summary: those already collected first.
+	MaxBytes, MaxBytesPerPrincipal int64
 }
 
 // Defaults of JobOptions.
@@ -42,6 +47,11 @@ const (
 	DefaultMaxJobTime       = time.Hour
 	DefaultJobRetention     = 15 * time.Minute
 	DefaultJobsPerPrincipal = 32
+	// A job's result holds up to 2×MaxOutput of streams (kiln's
+	// --keep-output is 4 MiB), agentproto.MaxRich of rich output and, in
+	// per-call mode, 4 MiB of files: about 16 MiB.
+	DefaultJobBytes             = 256 << 20
+	DefaultJobBytesPerPrincipal = 64 << 20
 )
 
 func (o *JobOptions) defaults() {
@@ -53,6 +63,12 @@ func (o *JobOptions) defaults() {
 	}
 	if o.PerPrincipal <= 0 {
 		o.PerPrincipal = DefaultJobsPerPrincipal
+	}
+	if o.MaxBytes <= 0 {
+		o.MaxBytes = DefaultJobBytes
+	}
+	if o.MaxBytesPerPrincipal <= 0 {
+		o.MaxBytesPerPrincipal = min(DefaultJobBytesPerPrincipal, o.MaxBytes)
 	}
 }
 
@@ -128,6 +144,10 @@ type Job struct {
 	err       error
 	finished  time.Time
 	collected bool // a poll has returned the result
+	// held is what the result counts against the bounds on finished
+	// jobs (guarded by the table's mu); cut says it was summarized.
+	held int64
+	cut  bool
 }
 
 // ID is the job's handle, as the client passes it back.
@@ -271,16 +291,21 @@ func (j *Job) Cancel(ctx context.Context) JobStatus {
 
 // jobTable holds every principal's jobs.
 type jobTable struct {
-	mu     sync.Mutex
-	byID   map[string]*Job
-	closed bool
-	base   context.Context // parent of every job's context; cancelled on Close
-	stop   context.CancelCauseFunc
-	wg     sync.WaitGroup
+	mu   sync.Mutex
+	byID map[string]*Job
+	// held counts the bytes of finished jobs' results, by principal and
+	// in all (heldAll).
+	held    map[string]int64
+	heldAll int64
+	closed  bool
+	base    context.Context // parent of every job's context; cancelled on Close
+	stop    context.CancelCauseFunc
+	wg      sync.WaitGroup
 }
 
 func (t *jobTable) init() {
 	t.byID = make(map[string]*Job)
+	t.held = make(map[string]int64)
 	t.base, t.stop = context.WithCancelCause(context.Background())
 }
 
@@ -301,7 +326,7 @@ func (t *jobTable) isClosed() bool {
 
 // expire forgets finished jobs older than the retention. Call with t.mu held.
 func (t *jobTable) expire(retention time.Duration) {
-	for id, j := range t.byID {
+	for _, j := range t.byID {
 		select {
 		case <-j.done:
 		default:
@@ -311,8 +336,26 @@ func (t *jobTable) expire(retention time.Duration) {
 		old := time.Since(j.finished) > retention
 		j.mu.Unlock()
 		if old {
-			delete(t.byID, id)
+			t.forget(j)
 		}
+	}
+}
+
+// forget removes a job from the table. Call with t.mu held.
+func (t *jobTable) forget(j *Job) {
+	delete(t.byID, j.id)
+	t.count(j, -j.held)
+}
+
+// count adds n to what j's result holds. Call with t.mu held.
+func (t *jobTable) count(j *Job, n int64) {
+	if n == 0 {
+		return
+	}
+	j.held += n
+	t.heldAll += n
+	if t.held[j.principal] += n; t.held[j.principal] == 0 {
+		delete(t.held, j.principal)
 	}
 }
 
@@ -349,7 +392,7 @@ func (m *Manager) newJob(req context.Context, principal, sessionName string) (*J
 			return nil, nil, &JobQuotaError{Limit: m.opts.Jobs.PerPrincipal, Retention: m.opts.Jobs.Retention}
 		}
 		sort.Slice(collected, func(a, b int) bool { return collected[a].finished.Before(collected[b].finished) })
-		delete(t.byID, collected[0].id)
+		t.forget(collected[0])
 	}
 	var raw [9]byte
 	rand.Read(raw[:])
@@ -372,7 +415,7 @@ func (m *Manager) newJob(req context.Context, principal, sessionName string) (*J
 // whoever already holds it.
 func (m *Manager) forgetJob(j *Job, err error) {
 	m.jobs.mu.Lock()
-	delete(m.jobs.byID, j.id)
+	m.jobs.forget(j)
 	m.jobs.mu.Unlock()
 	j.cancel(nil)
 	j.finish(nil, nil, err)
@@ -486,7 +529,7 @@ func (s *Session) Start(ctx context.Context, lang Language, code string, timeout
 		if turn {
 			s.release()
 		}
-		j.finish(out, nil, err)
+		s.m.finishJob(j, out, nil, err)
 		s.m.observeExec(jctx, s.principal, s.name, lang, code, out, err)
 		s.m.log.Info("job ended", "job", j.id, "session", s.name, "err", err)
 	}()
@@ -508,7 +551,7 @@ func (m *Manager) StartOnce(ctx context.Context, principal string, lang Language
 	go func() {
 		defer m.jobs.wg.Done()
 		out, produced, err := m.RunOnce(WithPrincipal(jctx, principal), lang, code, files, timeout)
-		j.finish(out, produced, err)
+		m.finishJob(j, out, produced, err)
 		m.log.Info("job ended", "job", j.id, "err", err)
 	}()
 	return j, nil
@@ -521,4 +564,165 @@ func execFunc(lang Language, code string, maxOutput int) runFunc {
 		}
 		return box.RunPython(ctx, code, sandbox.ExecOptions{MaxOutput: maxOutput})
 	}
+}
+
+// finishJob records a job's result, then keeps what finished jobs hold
+// within JobOptions.MaxBytesPerPrincipal and MaxBytes: a result a client
+// has not polled yet is held outside every other bound on the server's
+// memory (about 16 MiB at most each), so past them the oldest results are
+// cut to a summary, those already collected first.
+func (m *Manager) finishJob(j *Job, out *Outcome, produced []Produced, err error) {
+	j.finish(out, produced, err)
+	t := &m.jobs
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.byID[j.id] != j { // forgotten meanwhile
+		return
+	}
+	t.count(j, resultBytes(out, produced))
+	o := m.opts.Jobs
+	t.bound(j.principal, func() int64 { return t.held[j.principal] - o.MaxBytesPerPrincipal })
+	t.bound("", func() int64 { return t.heldAll - o.MaxBytes })
+}
+
+// bound cuts the results of principal's finished jobs ("": everyone's),
+// collected ones first, then the oldest, until over() is no longer
+// positive, and then forgets them in the same order. Call with t.mu held.
+func (t *jobTable) bound(principal string, over func() int64) {
+	if over() <= 0 {
+		return
+	}
+	type candidate struct {
+		j         *Job
+		collected bool
+		finished  time.Time
+	}
+	var cands []candidate
+	for _, j := range t.byID {
+		if principal != "" && j.principal != principal || j.held == 0 {
+			continue
+		}
+		j.mu.Lock()
+		cands = append(cands, candidate{j, j.collected, j.finished})
+		j.mu.Unlock()
+	}
+	sort.Slice(cands, func(a, b int) bool {
+		if cands[a].collected != cands[b].collected {
+			return cands[a].collected
+		}
+		return cands[a].finished.Before(cands[b].finished)
+	})
+	for _, c := range cands {
+		if over() <= 0 {
+			return
+		}
+		if !c.j.cut {
+			t.cut(c.j)
+		}
+	}
+	// Summaries count too (many principals with a few jobs each): past
+	// the bound with every result cut, the oldest jobs are forgotten, as
+	// at the end of the retention.
+	for _, c := range cands {
+		if over() <= 0 {
+			return
+		}
+		t.forget(c.j)
+	}
+}
+
+// cutKeep is the bytes of each end of each stream a cut result keeps.
+const cutKeep = 4 << 10
+
+// msgJobCut is the note of a result cut to its summary.
+const msgJobCut = "this job's result was cut before it was collected, to keep the results kiln holds for finished jobs within --jobs-memory-per-principal and --jobs-memory: only the first and last %d bytes of each stream are kept, and its images and files are gone. Collect a job's result with job_status soon after it ends, or have the job write what it makes to files"
+
+// cut replaces j's result by a summary: its exit status, error and
+// notes, and the ends of its streams. A poll that already returned the
+// result keeps it: the summary is a new value. Call with t.mu held.
+func (t *jobTable) cut(j *Job) {
+	j.mu.Lock()
+	j.out, j.produced = cutOutcome(j.out), cutProduced(j.produced)
+	n := resultBytes(j.out, j.produced)
+	j.mu.Unlock()
+	j.cut = true
+	t.count(j, n-j.held)
+}
+
+func cutOutcome(out *Outcome) *Outcome {
+	if out == nil {
+		return nil
+	}
+	c := *out
+	c.Note = joinNote(out.Note, fmt.Sprintf(msgJobCut, cutKeep))
+	if out.ExecResult != nil {
+		r := *out.ExecResult
+		r.Stdout, r.Stderr = cutStream(r.Stdout), cutStream(r.Stderr)
+		r.Result, r.Displays = nil, nil
+		if v, ok := out.Result["text/plain"]; ok && len(v) <= cutKeep {
+			r.Result = agentproto.MimeBundle{"text/plain": v}
+		}
+		c.ExecResult = &r
+	}
+	return &c
+}
+
+// cutStream keeps the first and last cutKeep bytes of a stream's text,
+// in whole characters; its Total still counts every byte.
+func cutStream(st agentproto.Stream) agentproto.Stream {
+	if len(st.Text) <= 2*cutKeep {
+		return st
+	}
+	head, tail := cutKeep, len(st.Text)-cutKeep
+	for head > 0 && !utf8.RuneStart(st.Text[head]) {
+		head--
+	}
+	for tail < len(st.Text) && !utf8.RuneStart(st.Text[tail]) {
+		tail++
+	}
+	return agentproto.Stream{Text: st.Text[:head] + st.Text[tail:], Total: st.Total, Cut: head}
+}
+
+func cutProduced(produced []Produced) []Produced {
+	if produced == nil {
+		return nil
+	}
+	out := make([]Produced, len(produced))
+	for i, p := range produced {
+		if p.Data != nil {
+			p.Data, p.Skipped = nil, "not kept: the job's result was cut before it was collected (--jobs-memory)"
+		}
+		out[i] = p
+	}
+	return out
+}
+
+// resultBytes is about what a job's result holds in memory.
+func resultBytes(out *Outcome, produced []Produced) int64 {
+	var n int
+	for _, p := range produced {
+		n += len(p.Path) + len(p.Data) + len(p.Skipped) + 64
+	}
+	if out == nil {
+		return int64(n)
+	}
+	n += len(out.Note) + len(out.Session)
+	for _, f := range out.Files {
+		n += len(f.Path) + len(f.Special) + 64
+	}
+	if r := out.ExecResult; r != nil {
+		n += len(r.Stdout.Text) + len(r.Stderr.Text) + len(r.Signal)
+		for _, b := range append([]agentproto.MimeBundle{r.Result}, r.Displays...) {
+			for k, v := range b {
+				n += len(k) + len(v)
+			}
+		}
+		if e := r.Error; e != nil {
+			n += len(e.Name) + len(e.Value) + len(e.Traceback)
+		}
+		for _, note := range r.Notes {
+			n += len(note)
+		}
+	}
+	return int64(n)
 }

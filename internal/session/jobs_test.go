@@ -3,6 +3,7 @@ package session_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -347,5 +348,82 @@ func TestJobObserved(t *testing.T) {
 				t.Errorf("event %+v", e)
 			}
 		})
+	}
+}
+
+// Finished jobs nobody polls hold at most --jobs-memory-per-principal of
+// results per principal and --jobs-memory in all: past them the oldest
+// results are cut to a summary, which the poll says, and keeps the exit
+// code and the ends of each stream.
+func TestJobResultsBounded(t *testing.T) {
+	const stream, per, all = 512 << 10, 4 << 20, 6 << 20
+	mgr, _ := inProcess(t, session.Options{Mode: session.ModePerCall, MaxOutput: stream,
+		Jobs: session.JobOptions{MaxBytesPerPrincipal: per, MaxBytes: all}})
+	ctx := context.Background()
+	start := func(principal string, i int) *session.Job {
+		code := fmt.Sprintf("echo first-%d; head -c %d /dev/zero | tr '\\0' o; head -c %d /dev/zero | tr '\\0' e >&2; echo last-%d; exit 3", i, stream, stream, i)
+		j, err := mgr.StartOnce(ctx, principal, session.Shell, code, nil, liveness)
+		if err != nil {
+			t.Fatal(err)
+		}
+		waitUntil(t, j.Done, "a job to end")
+		return j
+	}
+	var first, last *session.Job
+	for i := range 12 { // 12 MiB of results
+		j := start("a", i)
+		if i == 0 {
+			first = j
+		}
+		last = j
+	}
+	if n := mgr.HeldJobBytes("a"); n > per {
+		t.Errorf("one principal's unpolled jobs hold %d bytes, over its bound of %d", n, per)
+	}
+	for i := range 6 {
+		start("b", i)
+	}
+	if n := mgr.HeldJobBytes(""); n > all {
+		t.Errorf("unpolled jobs hold %d bytes, over the bound of %d", n, all)
+	}
+	st := last.Poll(ctx, 0)
+	if st.Outcome == nil || st.Outcome.Stdout.Total < stream || len(st.Outcome.Stdout.Text) < stream {
+		t.Errorf("the newest job's result was cut: %+v", st.Outcome)
+	}
+	st = first.Poll(ctx, 0)
+	if st.Outcome == nil {
+		t.Fatalf("the oldest job's result: %v", st.Err)
+	}
+	o := st.Outcome
+	if o.ExitCode != 3 || !strings.Contains(o.Stdout.Text, "first-0") || !strings.Contains(o.Stdout.Text, "last-0") ||
+		o.Stdout.Total < stream || !strings.Contains(o.Note, "--jobs-memory") {
+		t.Errorf("the oldest job's cut result: exit %d, %d of %d bytes of stdout, note %q", o.ExitCode, len(o.Stdout.Text), o.Stdout.Total, o.Note)
+	}
+}
+
+// Summaries count too: once every result is cut and the bound is still
+// passed (many principals, each with a few jobs), the oldest finished
+// jobs are forgotten, as at the end of --job-retention.
+func TestJobSummariesBounded(t *testing.T) {
+	const stream, all = 64 << 10, 40 << 10
+	mgr, _ := inProcess(t, session.Options{Mode: session.ModePerCall, MaxOutput: stream,
+		Jobs: session.JobOptions{MaxBytes: all}})
+	ctx := context.Background()
+	var first string
+	for i := range 8 {
+		j, err := mgr.StartOnce(ctx, fmt.Sprint("p", i), session.Shell, fmt.Sprintf("head -c %d /dev/zero | tr '\\0' o", stream), nil, liveness)
+		if err != nil {
+			t.Fatal(err)
+		}
+		waitUntil(t, j.Done, "a job to end")
+		if i == 0 {
+			first = j.ID()
+		}
+	}
+	if n := mgr.HeldJobBytes(""); n > all {
+		t.Errorf("finished jobs hold %d bytes of summaries, over the bound of %d", n, all)
+	}
+	if _, err := mgr.Job("p0", first); !errors.Is(err, session.ErrNoJob) {
+		t.Errorf("the oldest job, past the bound with every result cut: %v", err)
 	}
 }

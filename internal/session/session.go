@@ -65,6 +65,11 @@ type Options struct {
 	// Hibernate saves idle sessions to disk instead of dropping them
 	// (hibernate.go); off without a Dir, and in per-call mode.
 	Hibernate HibernateOptions
+	// StateQuota caps the bytes on disk of every principal's snapshots
+	// and hibernated sessions together (DefaultStateQuota): each
+	// principal's own quotas bound nothing in all when every OIDC subject
+	// is a new principal (statecap.go).
+	StateQuota int64
 }
 
 // Defaults of Options; kiln's flags default to them too.
@@ -120,6 +125,9 @@ func (o *Options) defaults() {
 		o.Hibernate.defaults()
 	}
 	o.Snapshots.defaults()
+	if o.StateQuota <= 0 {
+		o.StateQuota = DefaultStateQuota
+	}
 }
 
 // Errors a client can act on.
@@ -191,6 +199,7 @@ type Manager struct {
 	jobs       jobTable // background jobs (jobs.go)
 	snaps      snapStore
 	hib        *hibernator // nil: sessions are not saved (hibernate.go)
+	state      *stateCap   // the cap on all saved state (statecap.go)
 }
 
 // NewManager starts the pool and the idle reaper.
@@ -208,10 +217,13 @@ func NewManager(opts Options) *Manager {
 	m.pool = newPool(opts.Backend, spec, PoolOptions{Size: opts.PoolSize, Concurrency: opts.PoolWorkers, Logger: opts.Logger, Observer: opts.Observer}, m.slots)
 	m.warnOvercommit()
 	m.jobs.init()
+	m.state = &stateCap{max: opts.StateQuota, m: m}
 	if opts.Hibernate.Dir != "" && opts.Mode == ModeSession {
 		h, err := newHibernator(opts.Hibernate, opts.Limits, opts.Logger)
 		if err != nil {
 			m.log.Error("sessions will not be hibernated", "err", err)
+		} else {
+			h.state = m.state
 		}
 		m.hib = h
 	}

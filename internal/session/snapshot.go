@@ -76,7 +76,120 @@ type snapStore struct {
 	root    string
 	private bool
 	err     error
-	mu      sync.Mutex // serializes quota checks with the writes they allow
+	// locks serialize one principal's quota checks with the writes they
+	// allow. They are per principal: a box that stalls its own save (a
+	// __reduce__ that sleeps) holds up only its principal's snapshots.
+	locks keyedMutex
+	// claims are the bytes that saves in flight hold against their
+	// principal's quota, by the temporary directory each writes: the
+	// size its box declared, claimed before a byte is written. Changed
+	// with the principal's lock held.
+	claimMu sync.Mutex
+	claims  map[string]snapClaim
+}
+
+type snapClaim struct {
+	principal string
+	bytes     int64
+}
+
+// snapUsed is what the principal's snapshots take: the bytes on disk,
+// but for the temporary directories of saves in flight, whose claims
+// count instead. Call it with the principal's lock held.
+func (m *Manager) snapUsed(root, principal string) int64 {
+	st := &m.snaps
+	skip := map[string]bool{}
+	var claimed int64
+	st.claimMu.Lock()
+	for dir, c := range st.claims {
+		if c.principal == principal {
+			skip[dir] = true
+			claimed += c.bytes
+		}
+	}
+	st.claimMu.Unlock()
+	return treeBytes(principalDir(root, principal), skip) + claimed
+}
+
+// snapClaim returns the budget of a save of principal's into tmp (see
+// sandbox.WithSnapshotBudget): the size its box declares is claimed
+// against the principal's quota before any of it is written, and refused
+// over it. release forgets the claim; call it once tmp is kept under
+// another name or removed. what names the save in the error.
+func (m *Manager) snapClaim(root, principal, tmp, what string) (claim func(int64) error, release func()) {
+	st := &m.snaps
+	claim = func(n int64) error {
+		defer st.locks.lock(principal)()
+		return m.claimLocked(root, principal, tmp, n, what)
+	}
+	release = func() {
+		defer st.locks.lock(principal)()
+		st.claimMu.Lock()
+		delete(st.claims, tmp)
+		st.claimMu.Unlock()
+		m.state.release(tmp)
+	}
+	return claim, release
+}
+
+// claimLocked claims n bytes for the save into tmp if they fit in the
+// principal's quota, replacing what it claimed before. Call it with the
+// principal's lock held.
+func (m *Manager) claimLocked(root, principal, tmp string, n int64, what string) error {
+	st := &m.snaps
+	st.claimMu.Lock()
+	if st.claims == nil {
+		st.claims = make(map[string]snapClaim)
+	}
+	st.claims[tmp] = snapClaim{principal: principal}
+	st.claimMu.Unlock()
+	quota := m.opts.Snapshots.Quota
+	if used := m.snapUsed(root, principal); used+n > quota {
+		return fmt.Errorf("%w: %s (%d bytes) would take your snapshots to %d of %d bytes (--snapshot-quota); delete_snapshot one you no longer need", ErrSnapshotQuota, what, n, used+n, quota)
+	}
+	if err := m.state.claim(tmp, n, key{}); err != nil {
+		return err
+	}
+	st.claimMu.Lock()
+	st.claims[tmp] = snapClaim{principal: principal, bytes: n}
+	st.claimMu.Unlock()
+	return nil
+}
+
+// keyedMutex is one mutex per key, forgotten while no one holds or waits
+// for it.
+type keyedMutex struct {
+	mu sync.Mutex
+	m  map[string]*keyedEntry
+}
+
+type keyedEntry struct {
+	sync.Mutex
+	refs int
+}
+
+// lock locks key's mutex and returns what unlocks it.
+func (k *keyedMutex) lock(key string) (unlock func()) {
+	k.mu.Lock()
+	if k.m == nil {
+		k.m = make(map[string]*keyedEntry)
+	}
+	e := k.m[key]
+	if e == nil {
+		e = &keyedEntry{}
+		k.m[key] = e
+	}
+	e.refs++
+	k.mu.Unlock()
+	e.Lock()
+	return func() {
+		e.Unlock()
+		k.mu.Lock()
+		if e.refs--; e.refs == 0 {
+			delete(k.m, key)
+		}
+		k.mu.Unlock()
+	}
 }
 
 func (m *Manager) snapRoot() (string, error) {
@@ -129,6 +242,11 @@ func snapDir(root, principal, session, name string) string {
 type SnapshotEntry struct {
 	Name string
 	*sandbox.SnapshotInfo
+	// Unreadable says why the snapshot's manifest cannot be read ("":
+	// it can): it cannot be restored, but it still counts against
+	// --max-snapshots and the quota until it is deleted. Its SnapshotInfo
+	// has only Bytes then.
+	Unreadable string
 }
 
 // Snapshots lists the principal's snapshots of session, oldest first.
@@ -154,9 +272,17 @@ func listSnapshots(dir string) []SnapshotEntry {
 		if !ok || !e.IsDir() {
 			continue
 		}
-		info, err := sandbox.ReadManifest(filepath.Join(dir, e.Name()))
+		if !ValidName(name) {
+			continue
+		}
+		// A kept snapshot that cannot be read is listed and counted all
+		// the same, so that it is seen, and deleted, rather than taking
+		// room no one can see. (Half-written ones have a temporary name.)
+		path := filepath.Join(dir, e.Name())
+		info, err := sandbox.ReadManifest(path)
 		if err != nil {
-			continue // half written, or corrupt: not offered
+			out = append(out, SnapshotEntry{Name: name, SnapshotInfo: &sandbox.SnapshotInfo{Bytes: treeBytes(path, nil)}, Unreadable: err.Error()})
+			continue
 		}
 		out = append(out, SnapshotEntry{Name: name, SnapshotInfo: info})
 	}
@@ -164,11 +290,16 @@ func listSnapshots(dir string) []SnapshotEntry {
 	return out
 }
 
-// usedBytes is what the principal's snapshots take on disk.
-func usedBytes(root, principal string) int64 {
+// treeBytes is the bytes of the regular files under dir, leaving out the
+// directories in skip.
+func treeBytes(dir string, skip map[string]bool) int64 {
 	var n int64
-	filepath.WalkDir(principalDir(root, principal), func(_ string, d os.DirEntry, err error) error {
-		if err == nil && d.Type().IsRegular() {
+	filepath.WalkDir(dir, func(path string, d os.DirEntry, err error) error {
+		switch {
+		case err != nil:
+		case d.IsDir() && skip[path]:
+			return filepath.SkipDir
+		case d.Type().IsRegular():
 			if fi, err := d.Info(); err == nil {
 				n += fi.Size()
 			}
@@ -281,9 +412,9 @@ func (s *Session) Snapshot(ctx context.Context, name string) (*sandbox.SnapshotI
 			}
 			return fmt.Errorf("%w: it keeps %d (--max-snapshots): %s. Snapshot under one of these names to replace it, or delete_snapshot one", ErrSnapshotsFull, o.Max, strings.Join(names, ", "))
 		}
-		m.snaps.mu.Lock()
-		defer m.snaps.mu.Unlock()
-		used := usedBytes(root, s.principal)
+		unlock := m.snaps.locks.lock(s.principal)
+		used := m.snapUsed(root, s.principal)
+		unlock()
 		if used >= o.Quota {
 			return fmt.Errorf("%w: %d of %d bytes (--snapshot-quota); delete_snapshot one you no longer need", ErrSnapshotQuota, used, o.Quota)
 		}
@@ -291,12 +422,17 @@ func (s *Session) Snapshot(ctx context.Context, name string) (*sandbox.SnapshotI
 			return fmt.Errorf("making the snapshot directory: %w", err)
 		}
 		tmp := filepath.Join(sdir, tempName())
-		if info, err = m.saveTo(ctx, box, tmp); err != nil {
+		claim, release := m.snapClaim(root, s.principal, tmp, "this snapshot")
+		defer release()
+		if info, err = m.saveTo(sandbox.WithSnapshotBudget(ctx, claim), box, tmp); err != nil {
 			return err
 		}
-		if used+info.Bytes > o.Quota {
+		// The manifest, or a box without a budget, may take more than
+		// was claimed: what is kept must fit too.
+		defer m.snaps.locks.lock(s.principal)()
+		if err := m.claimLocked(root, s.principal, tmp, info.Bytes, "this snapshot"); err != nil {
 			os.RemoveAll(tmp)
-			return fmt.Errorf("%w: this one (%d bytes) would take your snapshots to %d of %d bytes (--snapshot-quota); delete_snapshot one you no longer need", ErrSnapshotQuota, info.Bytes, used+info.Bytes, o.Quota)
+			return err
 		}
 		dst := snapDir(root, s.principal, s.name, name)
 		os.RemoveAll(dst)
@@ -405,12 +541,18 @@ func (m *Manager) Fork(ctx context.Context, principal, src, dst string) (*Restor
 	if err := os.MkdirAll(pdir, 0o700); err != nil {
 		return nil, fmt.Errorf("making the snapshot directory: %w", err)
 	}
+	// The copy counts against the principal's quota while it exists.
 	tmp := filepath.Join(pdir, tempName())
+	const what = "the fork's temporary copy of the session"
+	claim, release := m.snapClaim(root, principal, tmp, what)
+	defer release()
 	defer os.RemoveAll(tmp)
 	var info *sandbox.SnapshotInfo
 	err = from.WithLiveBox(ctx, func(box sandbox.Sandbox) error {
-		info, err = m.saveTo(ctx, box, tmp)
-		return err
+		if info, err = m.saveTo(sandbox.WithSnapshotBudget(ctx, claim), box, tmp); err != nil {
+			return err
+		}
+		return claim(info.Bytes)
 	})
 	if errors.Is(err, ErrNoBox) {
 		return nil, fmt.Errorf("session %q: %w", src, ErrNothingToSave)

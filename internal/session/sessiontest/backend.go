@@ -40,6 +40,7 @@ type Backend struct {
 	// oomKills and pidsRefused are what every box reports as its limit
 	// counters (sandbox.LimitReporter); HitLimits raises them.
 	oomKills, pidsRefused atomic.Int64
+	sent                  atomic.Int64 // bytes the agents wrote to the host
 
 	mu      sync.Mutex
 	live    int // created and not yet fully destroyed
@@ -108,6 +109,10 @@ func (b *Backend) Created() int {
 // right now: a call reached the stopped agent.
 func (b *Backend) Stuck() int { return int(b.stuck.Load()) }
 
+// Sent is the bytes every box's agent has written to the host so far:
+// what the host pulled out of its boxes (a snapshot's archive included).
+func (b *Backend) Sent() int64 { return b.sent.Load() }
+
 // Freeze stops the agent of every live box, as SIGSTOP would: it reads no
 // request and answers none until the box is destroyed.
 func (b *Backend) Freeze() {
@@ -164,7 +169,7 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 	a := agent.New(agent.Config{Workspace: ws, Python: b.python, Preload: spec.Preload, UID: -1, GID: -1})
 	go func() {
 		defer close(bx.served)
-		a.Serve(gatedReader{ar, bx.gate}, gatedWriter{aw, bx.gate})
+		a.Serve(gatedReader{ar, bx.gate}, gatedWriter{aw, bx.gate, &b.sent})
 	}()
 	b.live++
 	b.created++
@@ -285,15 +290,18 @@ func (r gatedReader) Read(p []byte) (int, error) {
 }
 
 type gatedWriter struct {
-	w io.Writer
-	g *gate
+	w    io.Writer
+	g    *gate
+	sent *atomic.Int64
 }
 
 func (w gatedWriter) Write(p []byte) (int, error) {
 	if err := w.g.pass(); err != nil {
 		return 0, err
 	}
-	return w.w.Write(p)
+	n, err := w.w.Write(p)
+	w.sent.Add(int64(n))
+	return n, err
 }
 
 type pipeStream struct {
