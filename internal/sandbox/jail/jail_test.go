@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -18,6 +19,18 @@ func TestMain(m *testing.M) {
 	jail.MaybeInit()
 	os.Exit(m.Run())
 }
+
+// timeoutScale is KILN_TEST_TIMEOUT_SCALE (the field-host VM under TCG
+// sets it), or 1.
+func timeoutScale() float64 {
+	if s, err := strconv.ParseFloat(os.Getenv("KILN_TEST_TIMEOUT_SCALE"), 64); err == nil && s > 0 {
+		return s
+	}
+	return 1
+}
+
+// scaled stretches d by timeoutScale.
+func scaled(d time.Duration) time.Duration { return time.Duration(float64(d) * timeoutScale()) }
 
 func newBackend(t testing.TB) *jail.Backend {
 	t.Helper()
