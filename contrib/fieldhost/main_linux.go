@@ -64,15 +64,18 @@ func noSkip(cmd string) string {
 		`if grep -q -- '^--- SKIP' "$out"; then echo "fieldhost: a test skipped: counted as a failure"; rc=3; fi; exit $rc`
 }
 
-// suites are what `make fieldhost-test` runs, in order; -suites picks some.
+// suites are what `make fieldhost-test` runs, in order (the short ones
+// first); -suites picks some.
 var suites = []suite{
-	{"jail-conformance", "root", 14 * time.Minute, noSkip(jailTest("^TestConformance$", 14*time.Minute))},
 	{"cgroup-limits", "root", 6 * time.Minute, noSkip(jailTest("^(TestKillsNameTheLimit|TestAllBoxesLimit|TestCPULimit)$", 6*time.Minute))},
 	{"orphan-sweep", "root", 5 * time.Minute, noSkip(jailTest("^(TestServerKilled|TestOrphanedMountPointWithSpace)$", 5*time.Minute))},
 	{"systemd-unit", "root", 5 * time.Minute, "./systemd-unit"},
 	// The rootless hook: the same battery as the ordinary user, in a
 	// transient unit of the user's systemd manager.
-	{"rootless-conformance", image.FieldHostUser, 10 * time.Minute, noSkip(jailTest("^TestConformance$", 10*time.Minute))},
+	{"rootless-conformance", image.FieldHostUser, 10 * time.Minute,
+		`echo "as $(id -un), in $(cat /proc/self/cgroup), delegated: $(cat /sys/fs/cgroup$(cut -d: -f3 /proc/self/cgroup)/cgroup.controllers)"; ` +
+			noSkip(jailTest("^TestConformance$", 10*time.Minute))},
+	{"jail-conformance", "root", 14 * time.Minute, noSkip(jailTest("^TestConformance$", 14*time.Minute))},
 }
 
 // expectedToFail names the suites that fail until the work they test

@@ -41,6 +41,12 @@ func MaybeInit() {
 		return
 	}
 	runtime.LockOSThread()
+	// The box's tree gets the modes written here whatever umask the
+	// server runs under: under the systemd unit's UMask=0077 its /etc,
+	// /dev and the agent's directory came out 0700, out of the box user's
+	// reach (numpy lost its BLAS, the zygote could not exec the agent).
+	// Code in the box starts with the usual 022 too.
+	syscall.Umask(0o022)
 	run := runInit
 	if os.Args[1] == ZygoteInitArg {
 		run = runZygoteInit

@@ -2,11 +2,13 @@ package jail_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -114,4 +116,38 @@ func TestNotRootOnHost(t *testing.T) {
 	}
 	_ = exec.Command
 	_ = filepath.Join
+}
+
+// TestServerUmask: a server running under a tight umask (the systemd
+// unit's UMask=0077) still builds boxes whose /etc, /dev and agent its
+// box user can reach: numpy finds its BLAS through /etc/alternatives.
+// Found by the field-host VM (make fieldhost-test), where every call
+// failed with "libblas.so.3: cannot open shared object file".
+func TestServerUmask(t *testing.T) {
+	newBackend(t)
+	old := syscall.Umask(0o077)
+	defer syscall.Umask(old)
+	for _, zygote := range []bool{false, true} {
+		t.Run(fmt.Sprintf("zygote=%v", zygote), func(t *testing.T) {
+			b, err := jail.New(jail.Options{Agent: sandboxtest.BuildAgent(t), Zygote: zygote})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer b.Close()
+			ctx, cancel := context.WithTimeout(context.Background(), scaled(time.Minute))
+			defer cancel()
+			box, err := b.Create(ctx, sandbox.Spec{ID: fmt.Sprintf("umask-%v", zygote)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer box.Close()
+			res, err := box.RunPython(ctx, "import numpy\nint(numpy.arange(10).sum())", sandbox.ExecOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Error != nil || res.Result["text/plain"] != "45" {
+				t.Errorf("numpy in a box of a server with umask 077: %+v %s", res.Error, res.Stderr.Text)
+			}
+		})
+	}
 }
