@@ -12,7 +12,7 @@ APT_TEST    := iproute2 nftables curl qemu-system-x86 debootstrap e2fsprogs syst
 # its disks and debugfs reads the results back.
 APT_FIELDHOST := qemu-system-x86 debootstrap e2fsprogs
 
-.PHONY: all build run serve demo test test-go test-e2e conformance deps deps-runtime deps-test runsc wasm lint race fuzz k8s-cluster k8s-down k8s-test k8s-e2e fieldhost-test deps-fieldhost clean
+.PHONY: all build run serve demo test test-go test-e2e conformance deps deps-runtime deps-test runsc wasm lint race fuzz k8s-cluster k8s-down k8s-test k8s-e2e fieldhost-test fieldhost-image deps-fieldhost clean
 
 all: build
 
@@ -153,6 +153,11 @@ deps-fieldhost:
 
 fieldhost-test: deps-fieldhost
 	$(GO) run ./contrib/fieldhost $(FIELDHOST_FLAGS)
+
+# The image alone (printing its directory), so CI can build it while other
+# tests run.
+fieldhost-image: deps-fieldhost
+	@$(GO) run ./contrib/fieldhost -build-only
 
 clean:
 	rm -rf $(BIN)

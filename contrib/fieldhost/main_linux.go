@@ -155,16 +155,16 @@ func run(ctx context.Context, log *slog.Logger, buildOnly bool, only, out, accel
 	}
 	budget += 10 * time.Minute // boot and power-off, under TCG
 	bootStart := time.Now()
-	if err := boot(ctx, log, fh, disk, accel, mem, cpus, budget, filepath.Join(out, "console.log")); err != nil {
-		return err
-	}
-	log.Info("VM powered off", "took", time.Since(bootStart).Round(time.Second))
+	// The results are read whatever the VM's end: a suite that hung
+	// still leaves the others' results on the disk.
+	bootErr := boot(ctx, log, fh, disk, accel, mem, cpus, budget, filepath.Join(out, "console.log"))
+	log.Info("VM stopped", "took", time.Since(bootStart).Round(time.Second), "err", bootErr)
 	res := filepath.Join(out, "results")
 	os.RemoveAll(res)
-	if err := exec.CommandContext(ctx, "debugfs", "-R", "rdump /results "+out, disk).Run(); err != nil {
-		return fmt.Errorf("reading the results from the test disk: %w", err)
+	if err := exec.CommandContext(context.WithoutCancel(ctx), "debugfs", "-R", "rdump /results "+out, disk).Run(); err != nil {
+		return errors.Join(bootErr, fmt.Errorf("reading the results from the test disk: %w", err))
 	}
-	return report(log, res, picked, accel)
+	return errors.Join(bootErr, report(log, res, picked, accel))
 }
 
 // testDisk builds the suites' binaries into dir and packs them, the
