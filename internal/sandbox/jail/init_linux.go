@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"syscall"
 	"unsafe"
 
@@ -207,9 +208,17 @@ func buildRoot(cfg *initConfig) error {
 		return err
 	}
 	for _, p := range cfg.Plan.ProcMasks {
-		if _, err := os.Stat(filepath.Join(procDir, p)); err == nil {
-			mount("/dev/null", filepath.Join(procDir, p), "", unix.MS_BIND, "")
+		dst := filepath.Join(procDir, p)
+		if _, err := os.Stat(dst); err != nil {
+			continue
 		}
+		if slices.Contains(procReadOnly, p) {
+			if err := bindRO(dst, dst); err != nil {
+				return fmt.Errorf("masking %s: %w", p, err)
+			}
+			continue
+		}
+		mount("/dev/null", dst, "", unix.MS_BIND, "")
 	}
 	// /dev: a few nodes bound from the host, and a size-capped /dev/shm.
 	dev := filepath.Join(root, "dev")
