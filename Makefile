@@ -8,8 +8,11 @@ GO      ?= go
 BIN     := bin
 APT_RUNTIME := python3 python3-numpy python3-pandas python3-matplotlib python3-dill
 APT_TEST    := iproute2 nftables curl qemu-system-x86 debootstrap e2fsprogs systemd uidmap
+# The field-host VM: QEMU boots it, debootstrap builds it, mkfs.ext4 packs
+# its disks and debugfs reads the results back.
+APT_FIELDHOST := qemu-system-x86 debootstrap e2fsprogs
 
-.PHONY: all build run serve demo test test-go test-e2e conformance deps deps-runtime deps-test runsc wasm lint race fuzz k8s-cluster k8s-down k8s-test k8s-e2e clean
+.PHONY: all build run serve demo test test-go test-e2e conformance deps deps-runtime deps-test runsc wasm lint race fuzz k8s-cluster k8s-down k8s-test k8s-e2e fieldhost-test fieldhost-image deps-fieldhost clean
 
 all: build
 
@@ -134,6 +137,27 @@ k8s-test: k8s-cluster
 # through two kiln serve replicas); `make test` runs it with KILN_TEST_K8S=1.
 k8s-e2e: build k8s-cluster
 	cd e2e && env $$(../$(K8S_CLUSTER) env) KILN_TEST_K8S=1 KILN_BIN=$(CURDIR)/$(BIN)/kiln node --test --test-concurrency=1 kubernetes.test.mjs
+
+# The field-host VM (issue 24, contrib/fieldhost): a Debian bookworm guest
+# with systemd as PID 1 on cgroup v2 alone, Landlock and user namespaces,
+# and an ordinary user with subuid ranges, lingering and delegated
+# controllers; built once and cached by a hash of its inputs under
+# ~/.cache/kiln/fieldhost (a cold build takes about 10 minutes), booted
+# under QEMU (KVM where a guest boots under it, else TCG). It runs the
+# jail's battery, the cgroup v2 limits, the orphan sweep and the systemd
+# unit as root, and the battery again as the user in a systemd session.
+# Each suite's result, time and log land in bin/fieldhost/results.
+# FIELDHOST_FLAGS="-suites systemd-unit" runs some only.
+deps-fieldhost:
+	$(call apt_need,$(APT_FIELDHOST))
+
+fieldhost-test: deps-fieldhost
+	$(GO) run ./contrib/fieldhost $(FIELDHOST_FLAGS)
+
+# The image alone (printing its directory), so CI can build it while other
+# tests run.
+fieldhost-image: deps-fieldhost
+	@$(GO) run ./contrib/fieldhost -build-only
 
 clean:
 	rm -rf $(BIN)

@@ -524,6 +524,12 @@ func pack(ctx context.Context, opts Options, b *base, key, dir string, log *slog
 // mkfs packs root into a read-only-friendly ext4 file (no journal, no
 // reserved blocks) sized to fit with some headroom.
 func mkfs(ctx context.Context, log *slog.Logger, root, out string) error {
+	return mkfsExt4(ctx, log, root, out, "kiln-root", 64<<20, false)
+}
+
+// mkfsExt4 packs root into an ext4 file labelled label, sized to fit with
+// headroom bytes to spare, with no reserved blocks and a journal if asked.
+func mkfsExt4(ctx context.Context, log *slog.Logger, root, out, label string, headroom int64, journal bool) error {
 	var size int64
 	var files int64
 	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
@@ -539,7 +545,7 @@ func mkfs(ctx context.Context, log *slog.Logger, root, out string) error {
 	if err != nil {
 		return fmt.Errorf("measuring rootfs: %w", err)
 	}
-	total := (size+files*256)*6/5 + 64<<20
+	total := (size+files*256)*6/5 + headroom
 	total = (total + 1<<20 - 1) &^ (1<<20 - 1)
 	f, err := os.Create(out)
 	if err != nil {
@@ -551,7 +557,14 @@ func mkfs(ctx context.Context, log *slog.Logger, root, out string) error {
 		return err
 	}
 	inodes := files*3/2 + 4096
-	return run(ctx, log, "mkfs.ext4", "-q", "-F", "-L", "kiln-root", "-O", "^has_journal", "-m", "0",
+	if journal {
+		inodes += headroom / 16384
+	}
+	features := "^has_journal"
+	if journal {
+		features = "has_journal"
+	}
+	return run(ctx, log, "mkfs.ext4", "-q", "-F", "-L", label, "-O", features, "-m", "0",
 		"-N", fmt.Sprint(inodes), "-d", root, out)
 }
 

@@ -113,3 +113,82 @@ print("forked", n, "refused", refused)
 	}
 	t.Logf("the allocation past the limit: err %v, result %+v", err, res)
 }
+
+// TestCPULimit: a box's CPU bandwidth is its cgroup's quota (v2 cpu.max,
+// v1 cpu.cfs_quota_us), and a spin in the box is throttled to it. A
+// control box without a quota spins first: where it is not throttled
+// the counter works, and the limited box's throttling is the quota's.
+func TestCPULimit(t *testing.T) {
+	b := newBackend(t)
+	ctx, cancel := context.WithTimeout(context.Background(), scaled(2*time.Minute))
+	defer cancel()
+	v2 := true
+	if _, err := os.Stat("/sys/fs/cgroup/cgroup.controllers"); err != nil {
+		v2 = false
+	}
+	group := func(id string) string {
+		if v2 {
+			return fmt.Sprintf("/sys/fs/cgroup/kiln/%d/%s", os.Getpid(), id)
+		}
+		return fmt.Sprintf("/sys/fs/cgroup/cpu/kiln/%d/%s", os.Getpid(), id)
+	}
+	throttled := func(t *testing.T, id string) int64 {
+		t.Helper()
+		data, err := os.ReadFile(filepath.Join(group(id), "cpu.stat"))
+		if err != nil {
+			t.Fatalf("reading the box's cpu.stat: %v", err)
+		}
+		for _, line := range strings.Split(string(data), "\n") {
+			if v, ok := strings.CutPrefix(line, "nr_throttled "); ok {
+				var n int64
+				fmt.Sscan(v, &n)
+				return n
+			}
+		}
+		t.Fatalf("no nr_throttled in cpu.stat:\n%s", data)
+		return 0
+	}
+	// Two seconds of wall time spent spinning; the CPU time it got.
+	const spin = "import time\nw = time.monotonic() + 2\nwhile time.monotonic() < w:\n    pass\nprint(round(time.process_time(), 2))"
+	run := func(t *testing.T, id string, cpus float64) (cpu string, nThrottled int64) {
+		t.Helper()
+		box, err := b.Create(ctx, sandbox.Spec{ID: id, Limits: sandbox.Limits{CPUs: cpus}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer box.Close()
+		res, err := box.RunPython(ctx, spin, sandbox.ExecOptions{})
+		if err != nil || res.Error != nil {
+			t.Fatalf("spinning: %v %+v", err, res)
+		}
+		return strings.TrimSpace(res.Stdout.Text), throttled(t, id)
+	}
+	cpu, n := run(t, "cpu-control", 64)
+	if n != 0 {
+		t.Skipf("a box with a quota of 64 CPUs was throttled %d times (cpu %s s of 2 s): this host's throttling counter cannot tell a quota", n, cpu)
+	}
+	t.Logf("control: %s s of CPU in 2 s, never throttled", cpu)
+
+	box, err := b.Create(ctx, sandbox.Spec{ID: "cpu-limited", Limits: sandbox.Limits{CPUs: 0.25}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer box.Close()
+	file, want := "cpu.max", "25000 100000"
+	if !v2 {
+		file, want = "cpu.cfs_quota_us", "25000"
+	}
+	got, err := os.ReadFile(filepath.Join(group("cpu-limited"), file))
+	if err != nil || strings.TrimSpace(string(got)) != want {
+		t.Errorf("%s = %q (%v), want %q", file, got, err, want)
+	}
+	res, err := box.RunPython(ctx, spin, sandbox.ExecOptions{})
+	if err != nil || res.Error != nil {
+		t.Fatalf("spinning: %v %+v", err, res)
+	}
+	n = throttled(t, "cpu-limited")
+	t.Logf("limited to 0.25 CPU: %s s of CPU in 2 s, throttled %d times", strings.TrimSpace(res.Stdout.Text), n)
+	if n == 0 {
+		t.Errorf("a spin under a quota of 0.25 CPU was never throttled")
+	}
+}

@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"syscall"
 	"unsafe"
 
@@ -41,6 +42,12 @@ func MaybeInit() {
 		return
 	}
 	runtime.LockOSThread()
+	// The box's tree gets the modes written here whatever umask the
+	// server runs under: under the systemd unit's UMask=0077 its /etc,
+	// /dev and the agent's directory came out 0700, out of the box user's
+	// reach (numpy lost its BLAS, the zygote could not exec the agent).
+	// Code in the box starts with the usual 022 too.
+	syscall.Umask(0o022)
 	run := runInit
 	if os.Args[1] == InitArg && len(os.Args) > 2 && os.Args[2] == awaitIDsArg {
 		run = awaitIDs
@@ -204,9 +211,17 @@ func buildRoot(cfg *initConfig) error {
 		return err
 	}
 	for _, p := range cfg.Plan.ProcMasks {
-		if _, err := os.Stat(filepath.Join(procDir, p)); err == nil {
-			mount("/dev/null", filepath.Join(procDir, p), "", unix.MS_BIND, "")
+		dst := filepath.Join(procDir, p)
+		if _, err := os.Stat(dst); err != nil {
+			continue
 		}
+		if slices.Contains(procReadOnly, p) {
+			if err := bindRO(dst, dst); err != nil {
+				return fmt.Errorf("masking %s: %w", p, err)
+			}
+			continue
+		}
+		mount("/dev/null", dst, "", unix.MS_BIND, "")
 	}
 	// /dev: a few nodes bound from the host, and a size-capped /dev/shm.
 	dev := filepath.Join(root, "dev")

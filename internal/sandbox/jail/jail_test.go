@@ -6,7 +6,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -19,6 +21,18 @@ func TestMain(m *testing.M) {
 	jail.MaybeInit()
 	os.Exit(m.Run())
 }
+
+// timeoutScale is KILN_TEST_TIMEOUT_SCALE (the field-host VM under TCG
+// sets it), or 1.
+func timeoutScale() float64 {
+	if s, err := strconv.ParseFloat(os.Getenv("KILN_TEST_TIMEOUT_SCALE"), 64); err == nil && s > 0 {
+		return s
+	}
+	return 1
+}
+
+// scaled stretches d by timeoutScale.
+func scaled(d time.Duration) time.Duration { return time.Duration(float64(d) * timeoutScale()) }
 
 func newBackend(t testing.TB) *jail.Backend {
 	t.Helper()
@@ -112,4 +126,38 @@ func TestNotRootOnHost(t *testing.T) {
 	}
 	_ = exec.Command
 	_ = filepath.Join
+}
+
+// TestServerUmask: a server running under a tight umask (the systemd
+// unit's UMask=0077) still builds boxes whose /etc, /dev and agent its
+// box user can reach: numpy finds its BLAS through /etc/alternatives.
+// Found by the field-host VM (make fieldhost-test), where every call
+// failed with "libblas.so.3: cannot open shared object file".
+func TestServerUmask(t *testing.T) {
+	newBackend(t)
+	old := syscall.Umask(0o077)
+	defer syscall.Umask(old)
+	for _, zygote := range []bool{false, true} {
+		t.Run(fmt.Sprintf("zygote=%v", zygote), func(t *testing.T) {
+			b, err := jail.New(jail.Options{Agent: sandboxtest.BuildAgent(t), Zygote: zygote})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer b.Close()
+			ctx, cancel := context.WithTimeout(context.Background(), scaled(time.Minute))
+			defer cancel()
+			box, err := b.Create(ctx, sandbox.Spec{ID: fmt.Sprintf("umask-%v", zygote)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer box.Close()
+			res, err := box.RunPython(ctx, "import numpy\nint(numpy.arange(10).sum())", sandbox.ExecOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Error != nil || res.Result["text/plain"] != "45" {
+				t.Errorf("numpy in a box of a server with umask 077: %+v %s", res.Error, res.Stderr.Text)
+			}
+		})
+	}
 }

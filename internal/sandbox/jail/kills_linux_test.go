@@ -9,5 +9,5 @@ import (
 // TestKillsNameTheLimit: the jail's cgroup counts OOM kills and refused
 // forks, so every kill names its limit.
 func TestKillsNameTheLimit(t *testing.T) {
-	sessiontest.RunKills(t, newBackend(t), sessiontest.KillOptions{OOMCounted: true, PidsCounted: true})
+	sessiontest.RunKills(t, newBackend(t), sessiontest.KillOptions{OOMCounted: true, PidsCounted: true, Scale: timeoutScale()})
 }

@@ -90,7 +90,7 @@ func TestRootlessAsUser(t *testing.T) {
 		}
 	}
 	cmd := exec.Command(setpriv, "--reuid", u.Uid, "--regid", u.Gid, "--init-groups",
-		"env", "-i", "PATH=/usr/local/bin:/usr/bin:/bin", "HOME="+u.HomeDir, "KILN_TEST_AGENT="+agent,
+		"env", "-i", "PATH=/usr/local/bin:/usr/bin:/bin", "HOME="+u.HomeDir, sandboxtest.PrebuiltEnv+"="+dir,
 		bin, "-test.run", "^TestConformance$", "-test.v", fmt.Sprintf("-test.timeout=%s", "30m"))
 	cmd.Dir = dir
 	out, err := cmd.CombinedOutput()

@@ -3,6 +3,7 @@ package jail
 import (
 	"encoding/binary"
 	"fmt"
+	"slices"
 
 	llsys "github.com/landlock-lsm/go-landlock/landlock/syscall"
 	"golang.org/x/sys/unix"
@@ -131,10 +132,24 @@ func zygoteMounts(p boxplan.Plan) []planMount {
 		planMount{Dst: "/proc/sys", Flags: unix.MS_BIND | unix.MS_REMOUNT | unix.MS_RDONLY | procFlags},
 	)
 	for _, m := range p.ProcMasks {
+		if slices.Contains(procReadOnly, m) {
+			mounts = append(mounts,
+				planMount{Src: "/proc/" + m, Dst: "/proc/" + m, Flags: unix.MS_BIND, IfExists: true},
+				planMount{Dst: "/proc/" + m, Flags: unix.MS_BIND | unix.MS_REMOUNT | unix.MS_RDONLY | procFlags, IfExists: true})
+			continue
+		}
 		mounts = append(mounts, planMount{Src: "/dev/null", Dst: "/proc/" + m, Flags: unix.MS_BIND, IfExists: true})
 	}
 	return mounts
 }
+
+// procReadOnly are the masked /proc files the jail binds read-only onto
+// themselves rather than masking with /dev/null, so that a write fails
+// (EROFS) instead of vanishing into /dev/null: the hostile battery's
+// contract is that every write to them fails. (The OCI runtime spec's
+// readonlyPaths do the same for /proc/sysrq-trigger.) Found by the
+// field-host VM: the development machine's /proc has no sysrq-trigger.
+var procReadOnly = []string{"sysrq-trigger"}
 
 // zygoteRlimits are the plan's rlimits as (resource, value) pairs.
 func zygoteRlimits(p boxplan.Plan) [][2]uint64 {

@@ -26,6 +26,11 @@ func BuildKiln(t testing.TB) string {
 	t.Helper()
 	agent := BuildAgent(t)
 	kilnOnce.Do(func() {
+		if dir := os.Getenv(PrebuiltEnv); dir != "" {
+			kilnPath = filepath.Join(dir, "kiln")
+			_, kilnErr = os.Stat(kilnPath)
+			return
+		}
 		out, err := exec.Command("go", "env", "GOMOD").Output()
 		if err != nil {
 			kilnErr = fmt.Errorf("finding module root: %w", err)

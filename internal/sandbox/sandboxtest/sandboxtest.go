@@ -62,15 +62,19 @@ var (
 	agentErr  error
 )
 
+// PrebuiltEnv names a directory holding kiln and kiln-agent built ahead
+// (the field-host VM has no Go toolchain): BuildAgent and BuildKiln then
+// return those instead of building.
+const PrebuiltEnv = "KILN_TEST_BIN_DIR"
+
 // BuildAgent builds kiln-agent (static) once per test binary and returns
 // its path.
 func BuildAgent(t testing.TB) string {
 	t.Helper()
 	agentOnce.Do(func() {
-		// A run as an ordinary user (the rootless jail's) may not reach
-		// the module cache: it is handed a built agent.
-		if p := os.Getenv("KILN_TEST_AGENT"); p != "" {
-			agentPath = p
+		if dir := os.Getenv(PrebuiltEnv); dir != "" {
+			agentPath = filepath.Join(dir, "kiln-agent")
+			_, agentErr = os.Stat(agentPath)
 			return
 		}
 		out, err := exec.Command("go", "env", "GOMOD").Output()
