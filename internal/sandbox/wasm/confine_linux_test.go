@@ -3,6 +3,7 @@ package wasm
 import (
 	"fmt"
 	"os"
+	"os/exec"
 	"strconv"
 	"strings"
 	"testing"
@@ -78,4 +79,40 @@ func TestDenoConfined(t *testing.T) {
 		os.Remove(root + "/pyodide/kiln-write-test")
 		t.Errorf("deno's pyodide directory is writable")
 	}
+}
+
+// BenchmarkDenoStart is what confinement adds to a box's start: deno
+// --version started plainly (as before) and through the confinement init
+// (namespaces, binds, capabilities, the seccomp filter).
+func BenchmarkDenoStart(b *testing.B) {
+	if _, err := Installed(""); err != nil {
+		b.Skip(err)
+	}
+	bk, err := New(Options{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer bk.Close()
+	b.Run("plain", func(b *testing.B) {
+		for b.Loop() {
+			cmd := exec.Command(bk.rt.Deno, "--version")
+			cmd.Env = bk.env(bk.hostDir)
+			if out, err := cmd.CombinedOutput(); err != nil {
+				b.Fatalf("%v: %s", err, out)
+			}
+		}
+	})
+	b.Run("confined", func(b *testing.B) {
+		for b.Loop() {
+			cmd, opened, err := bk.plat.command(bk.hostPaths(""), func(paths) []string { return []string{"--version"} })
+			if err != nil {
+				b.Fatal(err)
+			}
+			out, err := cmd.CombinedOutput()
+			closeAll(opened)
+			if err != nil {
+				b.Fatalf("%v: %s", err, out)
+			}
+		}
+	})
 }
