@@ -69,7 +69,7 @@ func TestDenoSyscallPolicyTable(t *testing.T) {
 		{"socketpair", []uint64{AFInet}, Deny},
 		{"clone", []uint64{CloneNewUser}, Deny},
 		{"clone", []uint64{0x3d0f00}, Allow}, // a thread
-		{"mprotect", nil, Allow},            // V8's JIT
+		{"mprotect", nil, Allow},             // V8's JIT
 		{"ptrace", nil, Deny},
 		{"unshare", nil, Deny},
 		{"clone3", nil, Absent},

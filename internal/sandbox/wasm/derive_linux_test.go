@@ -254,4 +254,3 @@ func ioctl(fd int, req uint, arg unsafe.Pointer) error {
 	}
 	return nil
 }
-
