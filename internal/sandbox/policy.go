@@ -326,11 +326,11 @@ var DenoSyscalls = []string{
 	"clock_nanosleep",
 	"rt_sigaction", "rt_sigprocmask", "rt_sigreturn", "sigaltstack",
 	"arch_prctl", "set_tid_address", "set_robust_list", "rseq",
-	"gettid", "getpid", "getuid", "getrandom", "prlimit64", "sysinfo", "uname",
+	"gettid", "getpid", "getppid", "getuid", "getrandom", "prlimit64", "sysinfo", "uname",
 	// Files, inside its read-only root (Deno's permissions decide which
 	// it may open): stdio, the runtime, its caches' failed creation.
-	"read", "write", "pread64", "close", "fcntl",
-	"openat", "newfstatat", "statx", "lstat", "access", "readlink", "getcwd",
+	"read", "write", "pread64", "lseek", "close", "fcntl",
+	"openat", "newfstatat", "fstat", "statx", "lstat", "access", "readlink", "getcwd", "getdents64",
 	"mkdir", "unlink",
 	"exit", "exit_group", "execve",
 }
