@@ -117,7 +117,8 @@ var registry = []backendEntry{
 		},
 	},
 	{
-		name: "wasm",
+		name:      "wasm",
+		maybeInit: wasm.MaybeInit,
 		flags: func(fs *flag.FlagSet) backendFactory {
 			var c wasm.Config
 			c.RegisterFlags(fs)

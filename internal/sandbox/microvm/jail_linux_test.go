@@ -5,6 +5,8 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	"kiln/internal/sandbox/boxkit"
 )
 
 // TestJail runs a shell in QEMU's jail and looks from inside: the /dev/kvm
@@ -42,7 +44,7 @@ ls /root 2>/dev/null && echo root-listed
 echo x >/usr/kiln-test 2>/dev/null && echo usr-written
 echo done`
 	cmd, opened, err := jailCommand(self, uid, "/usr/bin/dash", []string{"-c", script}, nil,
-		[]jailFile{{src: node, dst: "/dev/kvm", dev: true}})
+		[]boxkit.Bind{{Src: node, Dst: "/dev/kvm", Dev: true}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -279,5 +279,10 @@ func unpackVerified(tgz, integrity, dest string) error {
 			return fmt.Errorf("tarball entry %q is not a file or directory", h.Name)
 		}
 	}
+	// Public files: the confined Deno's uid must read them (MkdirTemp
+	// made the directory 0700).
+	if err := os.Chmod(tmp, 0o755); err != nil {
+		return err
+	}
 	return os.Rename(tmp, dest)
 }

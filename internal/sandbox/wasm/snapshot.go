@@ -7,9 +7,9 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 
 	"kiln/internal/sandbox"
@@ -79,32 +79,76 @@ func (b *Backend) makeSnapshot(ctx context.Context, p string) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
-	tmp := filepath.Join(dir, fmt.Sprintf(".tmp-%d-%d", os.Getpid(), time.Now().UnixNano()))
-	defer os.Remove(tmp)
+	// The confined Deno writes into a directory of its own, the only
+	// place it may write; kiln moves the file into place.
+	out, err := os.MkdirTemp(dir, fmt.Sprintf(".tmp-%d-", os.Getpid()))
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(out)
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, b.rt.Deno, "run",
-		"--no-prompt", "--no-remote", "--no-npm", "--no-config", "--no-lock", "--cached-only", "--no-code-cache", "--quiet",
-		"--allow-read="+b.rt.Pyodide+","+b.hostDir,
-		"--allow-write="+tmp,
-		filepath.Join(b.hostDir, "snapshot.mjs"), b.rt.Pyodide, tmp)
-	cmd.Env = b.env()
-	cmd.Dir = b.hostDir
-	b.plat.prepare(cmd)
-	out, err := cmd.CombinedOutput()
+	hp := b.hostPaths("")
+	hp.out = out
+	cmd, opened, err := b.plat.command(hp, func(p paths) []string {
+		tmp := filepath.Join(p.out, snapshotFile)
+		return []string{"run",
+			"--no-prompt", "--no-remote", "--no-npm", "--no-config", "--no-lock", "--cached-only", "--no-code-cache", "--quiet",
+			"--allow-read=" + p.pyodide + "," + p.host,
+			"--allow-write=" + tmp,
+			filepath.Join(p.host, "snapshot.mjs"), p.pyodide, tmp}
+	})
 	if err != nil {
-		return fmt.Errorf("making the snapshot: %v: %s", err, truncate(strings.TrimSpace(string(out)), 2000))
+		return fmt.Errorf("confining deno: %w", err)
 	}
-	if fi, err := os.Stat(tmp); err != nil || fi.Size() == 0 {
+	var buf strings.Builder
+	cmd.Stdout, cmd.Stderr = &buf, &buf
+	err = b.plat.run(ctx, cmd)
+	closeAll(opened)
+	if err != nil {
+		return fmt.Errorf("making the snapshot: %v: %s", err, truncate(strings.TrimSpace(buf.String()), 2000))
+	}
+	return adoptSnapshot(filepath.Join(out, snapshotFile), p)
+}
+
+// snapshotFile is the name the snapshot is written under in its temporary
+// directory.
+const snapshotFile = "snapshot.bin"
+
+// adoptSnapshot makes the snapshot a Deno process wrote at tmp kiln's:
+// a regular file, not empty, owned by kiln and readable by every box's
+// uid, renamed to p.
+func adoptSnapshot(tmp, p string) error {
+	f, err := os.OpenFile(tmp, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	if err != nil {
+		return fmt.Errorf("making the snapshot: deno wrote nothing: %w", err)
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return err
+	}
+	if !fi.Mode().IsRegular() || fi.Size() == 0 {
 		return errors.New("making the snapshot: deno wrote nothing")
+	}
+	if err := f.Chown(os.Geteuid(), os.Getegid()); err != nil {
+		return fmt.Errorf("adopting the snapshot: %w", err)
+	}
+	if err := f.Chmod(0o644); err != nil {
+		return fmt.Errorf("adopting the snapshot: %w", err)
 	}
 	return os.Rename(tmp, p)
 }
 
-// env is the whole environment of a Deno process: nothing of kiln's.
-func (b *Backend) env() []string {
+// env is the whole environment of a Deno process that sees the host
+// scripts at host: nothing of kiln's.
+func (b *Backend) env(host string) []string {
 	return []string{
-		"DENO_DIR=" + b.denoDir,
+		// Deno keeps caches (module analysis, V8 code) in DENO_DIR,
+		// and writes there whatever modules code makes it load (data:
+		// URLs): a path below a file can never be created, so every
+		// cache stays in memory and a box writes nothing.
+		"DENO_DIR=" + filepath.Join(host, "driver.py", "no-deno-dir"),
 		"DENO_NO_UPDATE_CHECK=1",
 		"NO_COLOR=1",
 	}

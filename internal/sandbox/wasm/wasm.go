@@ -21,6 +21,11 @@
 // ignores an interrupt (a loop in JavaScript, a long C call) is stopped by
 // killing the process: WebAssembly cannot be preempted.
 //
+// On Linux, Deno itself is confined (box_linux.go): its own namespaces,
+// an unused host uid, no capabilities, no_new_privs and the seccomp filter
+// sandbox.DenoSyscallPolicy, so that a Deno or V8 bug reached from Python
+// is not the host's root.
+//
 // There is no shell: run_shell is refused, and servers do not offer it.
 package wasm
 
@@ -269,21 +274,39 @@ type config struct {
 // quarter of it, at least 128 MiB (Pyodide's loader needs about 60).
 func heapMiB(mem int64) int64 { return max(128, mem>>20/4) }
 
-// Args are the deno arguments that start a box: everything not granted is
-// denied, and nothing is prompted for.
-func (b *Backend) args(l sandbox.Limits, preload []string, snapshot string) []string {
-	read := b.rt.Pyodide + "," + b.hostDir
-	if snapshot != "" {
-		read += "," + snapshot
+// paths are where a Deno process sees what it reads: its own binary, the
+// Pyodide directory, the host scripts, the memory snapshot and the wheel
+// directory ("" for none). Its confinement (box_linux.go) binds each at a
+// path of its own root.
+type paths struct {
+	deno, pyodide, host, snapshot, wheels string
+	out                                   string // a directory it may write; "" for none
+}
+
+// hostPaths are those paths on the host.
+func (b *Backend) hostPaths(snapshot string) paths {
+	return paths{deno: b.rt.Deno, pyodide: b.rt.Pyodide, host: b.hostDir, snapshot: snapshot, wheels: b.wheels}
+}
+
+// Args are the deno arguments that start a box, on the paths it sees:
+// everything not granted is denied, and nothing is prompted for.
+func (b *Backend) args(p paths, l sandbox.Limits, preload []string) []string {
+	read := p.pyodide + "," + p.host
+	if p.snapshot != "" {
+		read += "," + p.snapshot
 	}
-	if b.wheels != "" {
-		read += "," + b.wheels
+	var wheels []string
+	if p.wheels != "" {
+		read += "," + p.wheels
+		for _, w := range b.wheelFiles {
+			wheels = append(wheels, filepath.Join(p.wheels, filepath.Base(w)))
+		}
 	}
 	cfg, _ := json.Marshal(config{
-		Pyodide:  b.rt.Pyodide,
-		Snapshot: snapshot,
-		Wheels:   b.wheelFiles,
-		Driver:   filepath.Join(b.hostDir, "driver.py"),
+		Pyodide:  p.pyodide,
+		Snapshot: p.snapshot,
+		Wheels:   wheels,
+		Driver:   filepath.Join(p.host, "driver.py"),
 		Preload:  preload,
 		Memory:   l.MemoryBytes,
 		FSBytes:  l.WorkspaceBytes + l.TmpBytes,
@@ -302,7 +325,7 @@ func (b *Backend) args(l sandbox.Limits, preload []string, snapshot string) []st
 		"--quiet",
 		"--allow-read=" + read,
 		"--v8-flags=--max-old-space-size=" + strconv.FormatInt(heapMiB(l.MemoryBytes), 10),
-		filepath.Join(b.hostDir, "host.mjs"),
+		filepath.Join(p.host, "host.mjs"),
 		string(cfg),
 	}
 }
@@ -315,10 +338,11 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 	if !b.cold {
 		snap = b.ensureSnapshot(ctx)
 	}
-	cmd := exec.Command(b.rt.Deno, b.args(l, spec.Preload, snap)...)
-	cmd.Env = b.env()
-	cmd.Dir = b.hostDir
-	b.plat.prepare(cmd)
+	cmd, opened, err := b.plat.command(b.hostPaths(snap), func(p paths) []string { return b.args(p, l, spec.Preload) })
+	if err != nil {
+		return nil, fmt.Errorf("confining deno: %w", err)
+	}
+	defer closeAll(opened)
 	inR, stdin, err := os.Pipe()
 	if err != nil {
 		return nil, err
@@ -468,6 +492,12 @@ func (bx *box) lastStderr() string {
 		return ""
 	}
 	return ": " + strings.Join(bx.stderr, " | ")
+}
+
+func closeAll(fs []*os.File) {
+	for _, f := range fs {
+		f.Close()
+	}
 }
 
 // pipeStream is a box's stdout and stdin as one stream.

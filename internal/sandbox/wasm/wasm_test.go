@@ -270,7 +270,7 @@ func TestKernel(t *testing.T) {
 // TestDenoArgs: a box's Deno is granted nothing but reading its files.
 func TestDenoArgs(t *testing.T) {
 	b := &Backend{rt: Runtime{Deno: "/x/deno", Pyodide: "/x/pyodide"}, hostDir: "/x/host"}
-	args := strings.Join(b.args(sandbox.Limits{MemoryBytes: 1 << 30}, nil, ""), " ")
+	args := strings.Join(b.args(b.hostPaths(""), sandbox.Limits{MemoryBytes: 1 << 30}, nil), " ")
 	for _, want := range []string{"--no-prompt", "--no-remote", "--no-npm", "--cached-only", "--no-code-cache", "--allow-read=/x/pyodide,/x/host ", "--max-old-space-size=256"} {
 		if !strings.Contains(args, want) {
 			t.Errorf("deno args lack %q: %s", want, args)
