@@ -81,9 +81,7 @@ var suites = []suite{
 // expectedToFail names the suites that fail until the work they test
 // lands, and why. Their result is reported but does not fail the run; one
 // that passes is reported so it can be taken off this list.
-var expectedToFail = map[string]string{
-	"rootless-conformance": "rootless mode is not done yet (branch rootless, issue 24 item 5): the jail's tests skip without root",
-}
+var expectedToFail = map[string]string{}
 
 func main() {
 	buildOnly := flag.Bool("build-only", false, "build (or find) the field host image, print its directory and exit")
