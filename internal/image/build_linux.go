@@ -263,14 +263,8 @@ func buildBase(ctx context.Context, opts Options, log *slog.Logger) (*base, erro
 			return nil, err
 		}
 	}
-	if err := writeJSON(filepath.Join(tmp, "base.json"), b); err != nil {
+	if err := storeBuilt(tmp, dir, "base.json", b, "base"); err != nil {
 		return nil, err
-	}
-	if err := os.RemoveAll(dir); err != nil {
-		return nil, err
-	}
-	if err := os.Rename(tmp, dir); err != nil {
-		return nil, fmt.Errorf("storing base: %w", err)
 	}
 	ok = true
 	b.Dir = dir
@@ -507,14 +501,8 @@ func pack(ctx context.Context, opts Options, b *base, key, dir string, log *slog
 	if err := copyFile(filepath.Join(b.Dir, "kernel", "vmlinuz"), filepath.Join(tmp, im.Kernel), 0o644); err != nil {
 		return nil, err
 	}
-	if err := writeJSON(filepath.Join(tmp, manifestName), im); err != nil {
+	if err := storeBuilt(tmp, dir, manifestName, im, "image"); err != nil {
 		return nil, err
-	}
-	if err := os.RemoveAll(dir); err != nil {
-		return nil, err
-	}
-	if err := os.Rename(tmp, dir); err != nil {
-		return nil, fmt.Errorf("storing image: %w", err)
 	}
 	ok = true
 	im.Dir = dir
@@ -613,6 +601,22 @@ func copyFile(src, dst string, perm os.FileMode) error {
 	}
 	_, err = io.Copy(out, in)
 	return errors.Join(err, out.Close())
+}
+
+// storeBuilt is the last step of every cached build: it writes v as the
+// manifest (file name) of the finished tree tmp and puts tmp in dir's
+// place, so that a reader finds a whole entry or none.
+func storeBuilt(tmp, dir, name string, v any, what string) error {
+	if err := writeJSON(filepath.Join(tmp, name), v); err != nil {
+		return err
+	}
+	if err := os.RemoveAll(dir); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, dir); err != nil {
+		return fmt.Errorf("storing %s: %w", what, err)
+	}
+	return nil
 }
 
 func writeJSON(path string, v any) error {

@@ -224,14 +224,8 @@ func buildKernel(ctx context.Context, opts KernelOptions, key, dir string, log *
 		Key: key, Release: release, Source: opts.Source, Config: opts.Config,
 		Took: time.Since(start).Round(time.Second).String(),
 	}
-	if err := writeJSON(filepath.Join(tmp, manifestName), m); err != nil {
+	if err := storeBuilt(tmp, dir, manifestName, m, "kernel"); err != nil {
 		return err
-	}
-	if err := os.RemoveAll(dir); err != nil {
-		return err
-	}
-	if err := os.Rename(tmp, dir); err != nil {
-		return fmt.Errorf("storing kernel: %w", err)
 	}
 	ok = true
 	return nil

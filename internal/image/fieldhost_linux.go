@@ -91,14 +91,8 @@ func BuildFieldHost(ctx context.Context, opts FieldHostOptions) (*FieldHost, err
 	if err := os.RemoveAll(root); err != nil {
 		return nil, err
 	}
-	if err := writeJSON(filepath.Join(tmp, manifestName), fh); err != nil {
+	if err := storeBuilt(tmp, dir, manifestName, fh, "field host"); err != nil {
 		return nil, err
-	}
-	if err := os.RemoveAll(dir); err != nil {
-		return nil, err
-	}
-	if err := os.Rename(tmp, dir); err != nil {
-		return nil, fmt.Errorf("storing field host: %w", err)
 	}
 	fh.Dir = dir
 	log.Info("field host built", "dir", dir, "took", time.Since(start).Round(time.Millisecond))
