@@ -63,6 +63,50 @@ func netScopeJail(t *testing.T) *jail.Backend {
 	return b
 }
 
+// scopedHTTP is /mcp as an OAuth protected resource of a local issuer,
+// with NetScope "kiln:net", serving whichever manager serve was last given.
+type scopedHTTP struct {
+	iss *oauthtest.Issuer
+	v   *oauth.Verifier
+	res string
+	h   http.Handler
+}
+
+func newScopedHTTP(t *testing.T) *scopedHTTP {
+	t.Helper()
+	f := &scopedHTTP{iss: oauthtest.New(t)}
+	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { f.h.ServeHTTP(w, r) }))
+	t.Cleanup(ts.Close)
+	f.res = ts.URL + "/mcp"
+	v, err := oauth.New(context.Background(), oauth.Config{Issuer: f.iss.URL, Resource: f.res, JWKSURL: f.iss.JWKSURL(), Refresh: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { v.Close() })
+	f.v = v
+	return f
+}
+
+// serve puts a server of mgr, whose boxes may reach allowed.test, behind
+// the endpoint.
+func (f *scopedHTTP) serve(mgr *session.Manager, backend string) {
+	srv := mcpserver.New(mcpserver.Options{Manager: mgr, Backend: backend, Network: "allowed.test", NetScope: "kiln:net"})
+	lim := testLimits()
+	f.h = srv.Handler(mcpserver.HTTPOptions{Limits: &lim, OAuth: &mcpserver.OAuth{Verify: f.v.Verify, Metadata: f.v.Metadata(), Scopes: []string{"kiln:run"}}})
+}
+
+// connect is a client whose token has scope; the test closes it.
+func (f *scopedHTTP) connect(t *testing.T, ctx context.Context, scope string) *mcp.ClientSession {
+	t.Helper()
+	cs, err := mcp.NewClient(&mcp.Implementation{Name: "t", Version: "1"}, nil).Connect(ctx,
+		&mcp.StreamableClientTransport{Endpoint: f.res, HTTPClient: &http.Client{Transport: bearer{f.iss.Mint(t, f.iss.Good(f.res, scope))}}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cs.Close() })
+	return cs
+}
+
 // TestNetScopeEveryPath: a token without kiln:net gets no network on any
 // path that makes or wakes a box, not only in a foreground run_python: a
 // background job (session and per-call), fork_session and restore_session
@@ -71,16 +115,7 @@ func netScopeJail(t *testing.T) *jail.Backend {
 // control is the same path with kiln:net, which must resolve the name.
 func TestNetScopeEveryPath(t *testing.T) {
 	b := netScopeJail(t)
-	iss := oauthtest.New(t)
-	var h http.Handler
-	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { h.ServeHTTP(w, r) }))
-	t.Cleanup(ts.Close)
-	res := ts.URL + "/mcp"
-	v, err := oauth.New(context.Background(), oauth.Config{Issuer: iss.URL, Resource: res, JWKSURL: iss.JWKSURL(), Refresh: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { v.Close() })
+	f := newScopedHTTP(t)
 	state := t.TempDir()
 	serve := func(mode session.Mode) *session.Manager {
 		opts := session.Options{Backend: b, Mode: mode, DefaultTimeout: 20 * time.Second, MaxOutput: 2000, Grace: time.Second}
@@ -89,23 +124,12 @@ func TestNetScopeEveryPath(t *testing.T) {
 			opts.Hibernate = session.HibernateOptions{Dir: state + "/hibernated", CheckpointEvery: -1}
 		}
 		mgr := session.NewManager(opts)
-		srv := mcpserver.New(mcpserver.Options{Manager: mgr, Backend: b.Name(), Network: "allowed.test", NetScope: "kiln:net"})
-		lim := testLimits()
-		h = srv.Handler(mcpserver.HTTPOptions{Limits: &lim, OAuth: &mcpserver.OAuth{Verify: v.Verify, Metadata: v.Metadata(), Scopes: []string{"kiln:run"}}})
+		f.serve(mgr, b.Name())
 		return mgr
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	connect := func(scope string) *mcp.ClientSession {
-		t.Helper()
-		cs, err := mcp.NewClient(&mcp.Implementation{Name: "t", Version: "1"}, nil).Connect(ctx,
-			&mcp.StreamableClientTransport{Endpoint: res, HTTPClient: &http.Client{Transport: bearer{iss.Mint(t, iss.Good(res, scope))}}}, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { cs.Close() })
-		return cs
-	}
+	connect := func(scope string) *mcp.ClientSession { return f.connect(t, ctx, scope) }
 	call := func(cs *mcp.ClientSession, tool string, args map[string]any) string {
 		t.Helper()
 		r, err := cs.CallTool(ctx, &mcp.CallToolParams{Name: tool, Arguments: args})

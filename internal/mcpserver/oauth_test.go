@@ -239,30 +239,14 @@ func TestOAuthNetScope(t *testing.T) {
 		t.Run(string(mode), func(t *testing.T) {
 			mgr := session.NewManager(session.Options{Backend: b, Mode: mode, DefaultTimeout: 20 * time.Second, MaxOutput: 2000, Grace: time.Second})
 			t.Cleanup(mgr.Close)
-			srv := mcpserver.New(mcpserver.Options{Manager: mgr, Backend: b.Name(), Network: "allowed.test", NetScope: "kiln:net"})
-			iss := oauthtest.New(t)
-			var h http.Handler
-			ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { h.ServeHTTP(w, r) }))
-			t.Cleanup(ts.Close)
-			res := ts.URL + "/mcp"
-			v, err := oauth.New(context.Background(), oauth.Config{Issuer: iss.URL, Resource: res, JWKSURL: iss.JWKSURL(), Refresh: -1})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { v.Close() })
-			lim := testLimits()
-			h = srv.Handler(mcpserver.HTTPOptions{Limits: &lim, OAuth: &mcpserver.OAuth{Verify: v.Verify, Metadata: v.Metadata(), Scopes: []string{"kiln:run"}}})
+			f := newScopedHTTP(t)
+			f.serve(mgr, b.Name())
 
 			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 			defer cancel()
 			run := func(scope string) string {
 				t.Helper()
-				cs, err := mcp.NewClient(&mcp.Implementation{Name: "t", Version: "1"}, nil).Connect(ctx,
-					&mcp.StreamableClientTransport{Endpoint: res, HTTPClient: &http.Client{Transport: bearer{iss.Mint(t, iss.Good(res, scope))}}}, nil)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer cs.Close()
+				cs := f.connect(t, ctx, scope)
 				args := map[string]any{"code": lookupCode}
 				if mode == session.ModeSession {
 					args["session"] = "s"
