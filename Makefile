@@ -6,18 +6,35 @@ export CGO_ENABLED := 0
 MAKEFLAGS += --no-print-directory
 GO      ?= go
 BIN     := bin
-APT_RUNTIME := python3 python3-numpy python3-pandas python3-matplotlib python3-dill
-APT_TEST    := iproute2 nftables curl qemu-system-x86 debootstrap e2fsprogs systemd uidmap
+APT_RUNTIME := python3 python3-numpy python3-pandas python3-matplotlib python3-dill python3-pip
+APT_TEST    := iproute2 nftables curl qemu-system-x86 debootstrap e2fsprogs systemd uidmap bubblewrap
 # The field-host VM: QEMU boots it, debootstrap builds it, mkfs.ext4 packs
 # its disks and debugfs reads the results back.
 APT_FIELDHOST := qemu-system-x86 debootstrap e2fsprogs
 
-.PHONY: all build run serve demo test test-go test-e2e conformance deps deps-runtime deps-test runsc wasm lint race fuzz k8s-cluster k8s-down k8s-test k8s-e2e fieldhost-test fieldhost-image deps-fieldhost clean
+.PHONY: all build build-full depaware run serve demo test test-go test-e2e conformance deps deps-runtime deps-test runsc wasm lint race fuzz k8s-cluster k8s-down k8s-test k8s-e2e fieldhost-test fieldhost-image deps-fieldhost clean
 
 all: build
 
+# The default kiln leaves out what most hosts never use: the kubernetes
+# backend (client-go) and OCI push (go-containerregistry), which would
+# double its size and its cold build. build-full builds them in, by their
+# build tags (internal/cli/features.go); the kubernetes tests, CI's cluster
+# path and a kiln for a Deployment use it.
+FULL_TAGS := kiln_kubernetes,kiln_oci
+
 build:
 	@$(GO) build -o $(BIN)/ ./cmd/kiln ./cmd/kiln-agent >&2
+
+build-full:
+	@$(GO) build -tags $(FULL_TAGS) -o $(BIN)/ ./cmd/kiln ./cmd/kiln-agent >&2
+
+# Each binary's dependency list, per build variant, is checked in
+# (cmd/kiln/depaware.txt, depaware-full.txt, cmd/kiln-agent/depaware.txt)
+# as tailscale's depaware does; make lint fails when one is stale, and
+# this rewrites them (commit them saying why the dependencies changed).
+depaware:
+	$(GO) test -count=1 -run '^TestDepaware$$' ./cmd/kiln -update
 
 # The sandbox's Python runtime comes from Debian (the host's /usr is what
 # the jail binds read-only into every box). Nothing here writes to stdout
@@ -60,31 +77,39 @@ serve: deps-runtime build
 demo: deps-runtime build
 	$(BIN)/kiln run --images . -c 'import matplotlib.pyplot as plt; p=[n for n in range(2,80) if all(n%d for d in range(2,n))][:20]; print(p); plt.plot([b-a for a,b in zip(p,p[1:])], marker="o"); plt.title("gaps between the first 20 primes"); plt.show()'
 
-# The test command (README, .ci/run).
-test: deps-test build test-go test-e2e conformance
+# The test command (README, .ci/run). It tests the full kiln: the e2e
+# suite's kubernetes test needs its backend and OCI push, and the packages
+# whose registration the tags select (cli, cmd) run both ways.
+test: deps-test build-full test-go test-e2e conformance
 
 test-go:
 	$(GO) test -count=1 -timeout 30m ./...
+	$(GO) test -count=1 -timeout 10m -tags $(FULL_TAGS) ./internal/cli ./cmd/...
 
-test-e2e: build
+test-e2e: build-full
 	cd e2e && KILN_BIN=$(CURDIR)/$(BIN)/kiln node --test --test-concurrency=1
 
 # The official MCP conformance suite (server mode) against kiln serve,
 # without and with a token; e2e/conformance/expected-failures.yml lists
 # the scenarios that need the suite's own fixtures. Needs `make deps-test`
 # (npm ci in e2e/conformance, which brings Node 22 from npm).
-conformance: build
+conformance: build-full
 	cd e2e/conformance && KILN_BIN=$(CURDIR)/$(BIN)/kiln node run.mjs
 
 # Habits CI keeps: formatting, vet for linux and darwin (the darwin stubs
-# must keep compiling), staticcheck (pinned in go.mod as a Go tool) and a
-# tidy go.mod.
+# must keep compiling), both without and with the optional features'
+# tags, staticcheck (pinned in go.mod as a Go tool), a tidy go.mod, and
+# current dependency lists (make depaware).
 lint:
 	@out=$$(gofmt -l cmd internal contrib); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 	GOOS=darwin $(GO) vet ./...
+	$(GO) vet -tags $(FULL_TAGS) ./internal/cli ./cmd/...
+	GOOS=darwin $(GO) vet -tags $(FULL_TAGS) ./internal/cli ./cmd/...
 	$(GO) tool staticcheck ./...
+	$(GO) tool staticcheck -tags $(FULL_TAGS) ./internal/cli ./cmd/...
 	$(GO) mod tidy -diff
+	$(GO) test -count=1 -run '^TestDepaware$$' ./cmd/kiln
 
 # The race detector needs cgo. Only packages whose tests start no sandbox:
 # the others need root and real boxes, whose timing the detector's slowdown
@@ -135,7 +160,7 @@ k8s-test: k8s-cluster
 
 # k8s-e2e: e2e/kubernetes.test.mjs alone on the cluster (a real MCP client
 # through two kiln serve replicas); `make test` runs it with KILN_TEST_K8S=1.
-k8s-e2e: build k8s-cluster
+k8s-e2e: build-full k8s-cluster
 	cd e2e && env $$(../$(K8S_CLUSTER) env) KILN_TEST_K8S=1 KILN_BIN=$(CURDIR)/$(BIN)/kiln node --test --test-concurrency=1 kubernetes.test.mjs
 
 # The field-host VM (issue 24, contrib/fieldhost): a Debian bookworm guest

@@ -25,7 +25,7 @@ describe('hibernate (stdio, --state-dir)', () => {
       await first.close();
     }
     assert.match(first.stderr(), /hibernated sessions at shutdown.*saved=1/, `the first server did not save the session:\n${first.stderr()}`);
-    const hib = path.join(dir, 'hibernated');
+    const hib = path.join(dir, 'snapshots'); // the one snapshot store
     for (const d of [dir, hib]) {
       assert.equal(statSync(d).mode & 0o077, 0, `${d} is reachable by others`);
     }

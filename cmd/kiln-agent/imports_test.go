@@ -20,8 +20,9 @@ func TestImportsStayInsideTheBox(t *testing.T) {
 		"kiln/internal/agentproto": true,
 		"kiln/internal/kernel":     true,
 		"kiln/internal/guestinit":  true,
-		// Data only: the box plan the backends and the agent share.
-		"kiln/internal/sandbox/boxplan": true,
+		// Data only, standard library only: the box policy the backends and
+		// the agent share.
+		"kiln/internal/boxpolicy": true,
 	}
 	for _, pkg := range strings.Fields(string(out)) {
 		first, _, _ := strings.Cut(pkg, "/")

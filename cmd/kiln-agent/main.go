@@ -12,7 +12,7 @@ import (
 	"strings"
 
 	"kiln/internal/agent"
-	"kiln/internal/sandbox/boxplan"
+	"kiln/internal/boxpolicy"
 )
 
 func main() {
@@ -23,7 +23,7 @@ func main() {
 		os.Exit(127)
 	}
 	var (
-		workspace = flag.String("workspace", boxplan.Workspace, "workspace directory")
+		workspace = flag.String("workspace", boxpolicy.Workspace, "workspace directory")
 		python    = flag.String("python", "/usr/bin/python3", "python3 for the kernel; empty for none")
 		preload   = flag.String("preload", "numpy,pandas,matplotlib", "comma-separated modules to import before the first call")
 		uid       = flag.Int("uid", -1, "run code as this uid when the agent runs as root")

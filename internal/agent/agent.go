@@ -19,7 +19,7 @@ import (
 	"time"
 
 	"kiln/internal/agentproto"
-	"kiln/internal/sandbox/boxplan"
+	"kiln/internal/boxpolicy"
 )
 
 const (
@@ -47,6 +47,9 @@ type Config struct {
 	// microVM guest's memory limit).
 	Cgroup   string
 	cgroupFD int
+	// Plan is the digest of the box plan the box built itself from,
+	// announced in the hello (agentproto.Hello.Plan): a microVM guest's.
+	Plan string
 	// Code, if not empty, is set on every process of code the agent starts
 	// (codeexec.go): where nothing else bounds code per process (a
 	// Kubernetes Pod under runc).
@@ -89,7 +92,7 @@ func New(cfg Config) *Agent {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	if cfg.Workspace == "" {
-		cfg.Workspace = boxplan.Workspace
+		cfg.Workspace = boxpolicy.Workspace
 	}
 	if !cfg.Code.empty() {
 		if self, err := os.Executable(); err == nil {
@@ -128,7 +131,7 @@ func (a *Agent) Serve(r io.Reader, w io.Writer) error {
 func (a *Agent) start() *agentproto.Hello {
 	// As the code's user: the agent holds no capability over files.
 	a.asCode(func() error { makeHome(a.cfg); return nil })
-	hello := agentproto.Hello{Version: ProtocolVersion}
+	hello := agentproto.Hello{Version: ProtocolVersion, Plan: a.cfg.Plan}
 	if a.cfg.Adopt != nil {
 		k, err := adoptKernel(a.cfg.Adopt)
 		if err != nil {
@@ -349,7 +352,7 @@ func childEnv(cfg *Config) []string {
 	}
 	// The box plan's environment, wherever the backend left it out (a
 	// microVM's init starts the agent with none).
-	for _, kv := range boxplan.Env {
+	for _, kv := range boxpolicy.Env {
 		k, _, _ := strings.Cut(kv, "=")
 		if !slices.ContainsFunc(env, func(e string) bool { return strings.HasPrefix(e, k+"=") }) {
 			env = append(env, kv)

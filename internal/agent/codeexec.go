@@ -8,7 +8,7 @@ import (
 	"strconv"
 	"strings"
 
-	"kiln/internal/sandbox/boxplan"
+	"kiln/internal/boxpolicy"
 )
 
 // Where nothing outside the agent bounds code on its own (a Kubernetes Pod
@@ -35,7 +35,7 @@ const ExecCodeArg = "-exec-code"
 // CodeSetup is what the agent sets on every process of code before it runs.
 // The zero value sets nothing, and code starts directly.
 type CodeSetup struct {
-	Rlimits []boxplan.Rlimit
+	Rlimits []boxpolicy.Rlimit
 	// OOMScoreAdj, if not 0, is written to the code's oom_score_adj.
 	OOMScoreAdj int
 }
@@ -57,8 +57,8 @@ func (s CodeSetup) args() []string {
 // ParseRlimits reads rlimits written as NAME=VALUE[,NAME=VALUE...]
 // ("RLIMIT_NPROC=64,RLIMIT_NOFILE=1024"). Only the limits the box plan
 // uses are known.
-func ParseRlimits(s string) ([]boxplan.Rlimit, error) {
-	var out []boxplan.Rlimit
+func ParseRlimits(s string) ([]boxpolicy.Rlimit, error) {
+	var out []boxpolicy.Rlimit
 	for _, kv := range strings.Split(s, ",") {
 		if kv = strings.TrimSpace(kv); kv == "" {
 			continue
@@ -72,19 +72,19 @@ func ParseRlimits(s string) ([]boxplan.Rlimit, error) {
 	return out, nil
 }
 
-func parseRlimit(kv string) (boxplan.Rlimit, error) {
+func parseRlimit(kv string) (boxpolicy.Rlimit, error) {
 	name, v, ok := strings.Cut(kv, "=")
 	if !ok {
-		return boxplan.Rlimit{}, fmt.Errorf("rlimit %q: want NAME=VALUE", kv)
+		return boxpolicy.Rlimit{}, fmt.Errorf("rlimit %q: want NAME=VALUE", kv)
 	}
-	if _, known := rlimitResource(name); !known {
-		return boxplan.Rlimit{}, fmt.Errorf("rlimit %q: unknown resource %s", kv, name)
+	if _, known := boxpolicy.RlimitResource(name); !known {
+		return boxpolicy.Rlimit{}, fmt.Errorf("rlimit %q: unknown resource %s", kv, name)
 	}
 	n, err := strconv.ParseUint(v, 10, 64)
 	if err != nil {
-		return boxplan.Rlimit{}, fmt.Errorf("rlimit %q: %w", kv, err)
+		return boxpolicy.Rlimit{}, fmt.Errorf("rlimit %q: %w", kv, err)
 	}
-	return boxplan.Rlimit{Name: name, Value: n}, nil
+	return boxpolicy.Rlimit{Name: name, Value: n}, nil
 }
 
 // codeCommand is exec.Command for a program of code: started through

@@ -6,29 +6,15 @@ import (
 	"strconv"
 	"syscall"
 
-	"golang.org/x/sys/unix"
+	"kiln/internal/boxpolicy"
 )
-
-// rlimitResource is the resource an rlimit's OCI name stands for; only
-// those of the box plan.
-func rlimitResource(name string) (int, bool) {
-	switch name {
-	case "RLIMIT_CORE":
-		return syscall.RLIMIT_CORE, true
-	case "RLIMIT_NOFILE":
-		return syscall.RLIMIT_NOFILE, true
-	case "RLIMIT_NPROC":
-		return unix.RLIMIT_NPROC, true // not in package syscall
-	}
-	return 0, false
-}
 
 // applyCodeSetup sets s on the calling process. syscall.Setrlimit (not
 // x/sys's) so that Go's exec does not put back the soft RLIMIT_NOFILE it
 // found at start.
 func applyCodeSetup(s CodeSetup) error {
 	for _, r := range s.Rlimits {
-		res, _ := rlimitResource(r.Name)
+		res, _ := boxpolicy.RlimitResource(r.Name) // parseRlimit took only its names
 		if err := syscall.Setrlimit(res, &syscall.Rlimit{Cur: r.Value, Max: r.Value}); err != nil {
 			return fmt.Errorf("setting %s to %d: %w", r.Name, r.Value, err)
 		}

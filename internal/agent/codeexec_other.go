@@ -6,14 +6,6 @@ import "errors"
 
 var errCodeSetup = errors.New("setting code's limits is not supported on this OS")
 
-func rlimitResource(name string) (int, bool) {
-	switch name {
-	case "RLIMIT_CORE", "RLIMIT_NOFILE", "RLIMIT_NPROC":
-		return 0, true
-	}
-	return 0, false
-}
-
 func applyCodeSetup(s CodeSetup) error {
 	if s.empty() {
 		return nil

@@ -67,6 +67,10 @@ func emptyInheritable() error {
 	}
 	data[0].Inheritable, data[1].Inheritable = 0, 0
 	if _, _, e := syscall.AllThreadsSyscall(unix.SYS_CAPSET, uintptr(unsafe.Pointer(&hdr)), uintptr(unsafe.Pointer(&data[0])), 0); e != 0 {
+		if e == syscall.ENOTSUP {
+			// What AllThreadsSyscall answers in a binary linked with cgo.
+			return fmt.Errorf("capset: %w: this kiln-agent was built with cgo, which cannot change every thread's capabilities; build it static (CGO_ENABLED=0 go build ./cmd/kiln-agent, or make build)", e)
+		}
 		return fmt.Errorf("capset: %w", e)
 	}
 	return nil

@@ -4,15 +4,15 @@ import (
 	"os"
 	"syscall"
 
-	"kiln/internal/sandbox/boxplan"
+	"kiln/internal/boxpolicy"
 )
 
 // Every backend gives code a box-private HOME outside the workspace, so
 // that what tools keep under ~ and in their caches (fontconfig, pip,
 // matplotlib, shells' histories) never comes back as files the code made.
-// The box plan names it (boxplan.Home); backends that start the agent with
+// The box plan names it (boxpolicy.Home); backends that start the agent with
 // an environment set the same value.
-const boxHome = boxplan.Home
+const boxHome = boxpolicy.Home
 
 // homeOf is the code's HOME: the agent's own, unless that is unset, "/"
 // (what a kernel gives init, in a microVM) or the workspace; then boxHome.

@@ -53,7 +53,7 @@ func Run(m Mode) int {
 
 	streamPath := ""
 	if m.Guest && os.Getenv(reapChildEnv) == "" {
-		p, err := guestinit.Setup(guestinit.Config{Workspace: m.Workspace})
+		p, err := guestinit.Setup()
 		if err != nil {
 			log.Error("preparing guest", "err", err)
 			return 1
@@ -86,6 +86,14 @@ func Run(m Mode) int {
 	}
 	if m.Guest {
 		cfg.Cgroup = guestinit.CodeCgroup // the guest's memory and pids limits for code
+		// PID 1 built the box from this plan (it stops without one):
+		// the host checks that the guest says so.
+		plan, err := guestinit.PlanDigest()
+		if err != nil {
+			log.Error("reading the box plan", "err", err)
+			return 1
+		}
+		cfg.Plan = plan
 	}
 	serve := New(cfg).Serve
 	if m.AwaitHost {

@@ -37,6 +37,11 @@ type Hello struct {
 	Python    string   `json:"python,omitempty"`    // python version, "" if none
 	Preloaded []string `json:"preloaded,omitempty"` // modules imported at start
 	Error     string   `json:"error,omitempty"`     // the agent could not start
+	// Plan is the digest (boxpolicy.Plan.Digest) of the box plan the
+	// box built itself from, where the box did so from a plan the host
+	// sent it (a microVM guest); "" elsewhere. A host that sent one
+	// refuses a box that does not say it applied it.
+	Plan string `json:"plan,omitempty"`
 }
 
 // Request is a host → agent frame.

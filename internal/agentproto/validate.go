@@ -84,6 +84,9 @@ func (h *Hello) Check() error {
 			return faultf("hello: a preloaded module name of %d bytes", len(m))
 		}
 	}
+	if len(h.Plan) > maxShort {
+		return faultf("hello: a plan digest of %d bytes", len(h.Plan))
+	}
 	h.Error, _ = cutText(h.Error, MaxMessage)
 	return nil
 }

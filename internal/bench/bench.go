@@ -4,9 +4,9 @@
 // speaking JSON-RPC over stdio to a `kiln mcp` child process, so it
 // includes the protocol, the session layer, the pool and the backend.
 //
-// Backends plug in through the server's own --backend flag; the only
-// backend-specific part is how the processes of one box are found for the
-// memory figures (see boxFinder).
+// Backends plug in through the server's own --backend flag; what the
+// bench must know of one (how its boxes are found, which rows apply) are
+// its Traits, which kiln bench takes from the backend's registry entry.
 package bench
 
 import (
@@ -15,13 +15,13 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"os"
 	"os/exec"
 	"runtime"
 	"slices"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/modelcontextprotocol/go-sdk/mcp"
@@ -34,6 +34,10 @@ type Options struct {
 	Kiln string
 	// Backend is passed as --backend. Default "jail".
 	Backend string
+	// Traits are what the bench knows of Backend; Jail those of the jail,
+	// for the local jail server measured alongside a cluster backend.
+	Traits Traits
+	Jail   Traits
 	// ServerArgs are added to every `kiln mcp` command line (limits,
 	// --preload, --agent …); ServerEnv to its environment.
 	ServerArgs []string
@@ -41,6 +45,10 @@ type Options struct {
 	// Python is the interpreter of the bare-spawn baselines. Default
 	// /usr/bin/python3.
 	Python string
+	// Bwrap is bubblewrap, the baseline a user would pick instead of a
+	// jail: looked up in $PATH; where it is missing, its rows say so.
+	// Default "bwrap".
+	Bwrap string
 	// Iterations is the number of samples of each latency. Default 50.
 	Iterations int
 	// Duration is how long each throughput level runs. Default 5s.
@@ -62,7 +70,7 @@ type Options struct {
 	// enough for the pool to refill. Default 100ms.
 	Gap time.Duration
 	// Skip names measurements to leave out (prefixes of their keys:
-	// "spawn", "pipe", "coldstart", "session", "first", "percall",
+	// "spawn", "bwrap", "fork", "pipe", "coldstart", "session", "first", "percall",
 	// "percall-pandas", "throughput", "hardening", "pss").
 	Skip []string
 	// Progress, if set, gets a line per measurement as it starts.
@@ -70,7 +78,52 @@ type Options struct {
 	Logger   *slog.Logger
 }
 
+// Traits are what the bench knows of a backend; kiln bench takes them from
+// its registry entry.
+type Traits struct {
+	// BoxCgroups: each box has a cgroup of its own under its server's,
+	// "<server pid>/<box id>" in kiln's tree; otherwise a box is found as
+	// a child process tree of the server.
+	BoxCgroups bool
+	// Hardening: the backend has the hardening measures a kiln built with
+	// BenchKnobsTag can weaken (the hardening rows).
+	Hardening bool
+	// Cluster: boxes run on a cluster's nodes, not as the server's
+	// processes: no PSS rows, but a warm-pool hit and miss, the control
+	// plane's CPU and a local jail server alongside.
+	Cluster bool
+	// Accel, if set, is the accelerator the server's arguments select,
+	// named in every kiln figure.
+	Accel func(serverArgs []string) string
+	// CPUGroups are the cgroups, relative to the CPU accounting
+	// hierarchy's root, that the backend moves its boxes' processes to
+	// out of the bench's group, "{pid}" standing for the server's pid:
+	// their CPU time counts in kiln's figure. Missing groups count
+	// nothing (the jail's under cgroup v1, where boxes stay in the
+	// bench's cpuacct group).
+	CPUGroups []string
+	// CPUGroupsNote says what CPUGroups cover, for the report.
+	CPUGroupsNote string
+}
+
+// Default is the run of kiln bench without flags: a zero field of Options
+// takes its value from here (the flags show the same defaults).
+var Default = Options{
+	Backend:     "jail",
+	Python:      "/usr/bin/python3",
+	Bwrap:       "bwrap",
+	Iterations:  50,
+	Duration:    5 * time.Second,
+	Clients:     []int{1, 2, 8},
+	Pool:        2,
+	PoolWorkers: 1,
+	IdleBoxes:   4,
+	Settle:      time.Second,
+	Gap:         100 * time.Millisecond,
+}
+
 func (o *Options) defaults() error {
+	d := Default
 	if o.Kiln == "" {
 		exe, err := os.Executable()
 		if err != nil {
@@ -79,36 +132,39 @@ func (o *Options) defaults() error {
 		o.Kiln = exe
 	}
 	if o.Backend == "" {
-		o.Backend = "jail"
+		o.Backend = d.Backend
 	}
 	if o.Python == "" {
-		o.Python = "/usr/bin/python3"
+		o.Python = d.Python
+	}
+	if o.Bwrap == "" {
+		o.Bwrap = d.Bwrap
 	}
 	if o.Iterations <= 0 {
-		o.Iterations = 50
+		o.Iterations = d.Iterations
 	}
 	if o.Duration <= 0 {
-		o.Duration = 5 * time.Second
+		o.Duration = d.Duration
 	}
 	if len(o.Clients) == 0 {
-		o.Clients = []int{1, 2, 8}
+		o.Clients = d.Clients
 	}
 	if o.Pool < 0 {
 		o.Pool = 0
 	} else if o.Pool == 0 {
-		o.Pool = 2
+		o.Pool = d.Pool
 	}
 	if o.PoolWorkers <= 0 {
-		o.PoolWorkers = 1
+		o.PoolWorkers = d.PoolWorkers
 	}
 	if o.IdleBoxes <= 0 {
-		o.IdleBoxes = 4
+		o.IdleBoxes = d.IdleBoxes
 	}
 	if o.Settle <= 0 {
-		o.Settle = time.Second
+		o.Settle = d.Settle
 	}
 	if o.Gap <= 0 {
-		o.Gap = 100 * time.Millisecond
+		o.Gap = d.Gap
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
@@ -121,19 +177,26 @@ type Measurement struct {
 	Key  string `json:"key"`
 	Name string `json:"name"`
 	// Unit of P50 and P99: "ms" (wall-clock latency), "ms CPU" (CPU
-	// time; the name says whether machine-wide or of the bench's
-	// cgroup), "MiB" or "calls/s".
+	// time: of kiln's cgroups where they could be counted, the note says
+	// so, else machine-wide), "MiB" or "calls/s".
 	Unit string  `json:"unit"`
 	N    int     `json:"n"`
 	P50  float64 `json:"p50"`
 	P99  float64 `json:"p99"`
 	// Ratio is P50 over the python3 spawn's P50 (latencies only).
 	Ratio float64 `json:"ratio_to_spawn,omitempty"`
-	// CgroupCPU is, for a CPU row, the same figure counted in the
-	// bench's cgroup (Report.CPUAccounting says what it misses).
-	CgroupCPU float64 `json:"cgroup_cpu_ms,omitempty"`
-	Note      string  `json:"note,omitempty"`
-	Err       string  `json:"error,omitempty"`
+	// CgroupCPU is, for a CPU row, the figure counted in the bench's
+	// cgroup and the backend's (Report.CPUAccounting says what they
+	// cover): P50 when it could be counted. MachineCPU is the same
+	// counted machine-wide, other work on the machine included.
+	CgroupCPU  float64 `json:"cgroup_cpu_ms,omitempty"`
+	MachineCPU float64 `json:"machine_cpu_ms,omitempty"`
+	// Boxes counts, for a kiln row, the boxes its server made during it
+	// by how each was made ("one-step", "two-step" forks of the jail's
+	// template, "direct" starts), from the server's debug log.
+	Boxes map[string]int `json:"boxes,omitempty"`
+	Note  string         `json:"note,omitempty"`
+	Err   string         `json:"error,omitempty"`
 }
 
 // Target is one goal of issue 18, checked against this run: Value (in
@@ -177,9 +240,11 @@ type Report struct {
 	// figure.
 	IdleBusy float64 `json:"idle_busy,omitempty"`
 	// CPUAccounting says what the cgroup figures of CPU rows cover.
-	CPUAccounting string        `json:"cpu_accounting,omitempty"`
-	Measurements  []Measurement `json:"measurements"`
-	Targets       []Target      `json:"targets"`
+	CPUAccounting string `json:"cpu_accounting,omitempty"`
+	// Boxes counts every box the servers made by how it was made.
+	Boxes        map[string]int `json:"boxes,omitempty"`
+	Measurements []Measurement  `json:"measurements"`
+	Targets      []Target       `json:"targets"`
 }
 
 func (r *Report) get(key string) *Measurement {
@@ -192,10 +257,11 @@ func (r *Report) get(key string) *Measurement {
 }
 
 type runner struct {
-	opts Options
-	log  *slog.Logger
-	rep  *Report
-	cpu  *cpuGroup // nil: CPU time not counted
+	opts      Options
+	log       *slog.Logger
+	rep       *Report
+	cpu       *cpuGroup  // nil: CPU time not counted
+	boxTotals *boxCounts // every server's boxes, by how each was made
 }
 
 // Run takes every measurement and checks the targets. A measurement that
@@ -210,27 +276,35 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 		Pool: opts.Pool, PoolWorkers: opts.PoolWorkers,
 		CPUs: runtime.NumCPU(), Go: runtime.Version(), Started: time.Now(),
 		LoadAverage: []string{loadAverage()},
-		Accel:       accelOf(opts.Backend, opts.ServerArgs),
-	}}
+	}, boxTotals: &boxCounts{}}
+	if opts.Traits.Accel != nil {
+		r.rep.Accel = opts.Traits.Accel(opts.ServerArgs)
+	}
 	if g, err := newCPUGroup(); err != nil {
 		r.log.Debug("not counting CPU time", "err", err)
 	} else {
 		r.cpu = g
 		r.rep.CPUAccounting = g.covers()
+		if opts.Traits.CPUGroupsNote != "" {
+			r.rep.CPUAccounting += "; " + opts.Traits.CPUGroupsNote
+		}
 		defer g.close()
 	}
-	if opts.Backend == "kubernetes" {
+	if opts.Traits.Cluster {
 		// A box's processes are the kubelet's, not the server's children.
 		r.opts.Skip = append(r.opts.Skip, "pss")
 	}
 	steps := []step{
 		{"spawn", r.spawn},
+		{"bwrap", r.bwrap},
+		{"fork", r.fork},
 		{"pipe", r.pipe},
 		{"coldstart", r.coldStart},
 		{"session", r.session},
 		{"percall", r.perCall},
 		{"throughput", r.throughput},
 		{"hardening", r.hardening},
+		{"network", r.network},
 		{"pss", r.memory},
 	}
 	steps = append(steps, r.kubernetesSteps()...)
@@ -248,6 +322,7 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 		}
 	}
 	r.rep.Elapsed = time.Since(r.rep.Started)
+	r.rep.Boxes = r.boxTotals.snapshot()
 	r.rep.LoadAverage = append(r.rep.LoadAverage, loadAverage())
 	r.pairJail()
 	r.ratios()
@@ -331,7 +406,7 @@ func (r *runner) spawn(ctx context.Context) error {
 		}
 		r.progress("measuring %s", c.name)
 		var samples []time.Duration
-		w := r.cpuStart()
+		w := r.cpuStart(nil)
 		for range c.n {
 			start := time.Now()
 			out, err := exec.CommandContext(ctx, r.opts.Python, "-c", c.code).CombinedOutput()
@@ -344,8 +419,8 @@ func (r *runner) spawn(ctx context.Context) error {
 		span := w.stop()
 		r.latency(c.key, c.name, samples, r.opts.Python)
 		if c.key == "spawn" {
-			r.cpuRow("cpu-spawn", "CPU per python3 -c spawn, machine-wide", span, len(samples),
-				"busy time of all CPUs over the spawn series / spawns")
+			r.cpuRow("cpu-spawn", "CPU per python3 -c spawn", span, len(samples),
+				"the bench's cgroup over the spawn series / spawns")
 		}
 	}
 	return nil
@@ -355,8 +430,9 @@ func (r *runner) spawn(ctx context.Context) error {
 
 // server is a `kiln mcp` child process with a connected MCP client.
 type server struct {
-	cmd *exec.Cmd
-	cs  *mcp.ClientSession
+	cmd   *exec.Cmd
+	cs    *mcp.ClientSession
+	boxes *boxCounts
 }
 
 func (r *runner) startServer(ctx context.Context, mode string, pool int) (*server, error) {
@@ -369,15 +445,19 @@ func (r *runner) startServerWith(ctx context.Context, mode string, pool int, ext
 		"--pool", fmt.Sprint(pool), "--pool-workers", fmt.Sprint(r.opts.PoolWorkers)}
 	args = append(args, r.opts.ServerArgs...)
 	args = append(args, extra...)
+	// Debug logging, for the line each box's creation logs (how it was
+	// made).
+	args = append(args, "-v")
 	cmd := exec.Command(r.opts.Kiln, args...)
 	cmd.Env = append(os.Environ(), r.opts.ServerEnv...)
-	cmd.Stderr = &logWriter{log: r.log}
+	boxes := &boxCounts{total: r.boxTotals}
+	cmd.Stderr = &logWriter{log: r.log, boxes: boxes}
 	client := mcp.NewClient(&mcp.Implementation{Name: "kiln-bench", Version: "1"}, nil)
 	cs, err := client.Connect(ctx, &mcp.CommandTransport{Command: cmd, TerminateDuration: 10 * time.Second}, nil)
 	if err != nil {
 		return nil, fmt.Errorf("starting kiln mcp: %w", err)
 	}
-	return &server{cmd: cmd, cs: cs}, nil
+	return &server{cmd: cmd, cs: cs, boxes: boxes}, nil
 }
 
 func (s *server) close() { s.cs.Close() }
@@ -501,6 +581,7 @@ func (r *runner) perCall(ctx context.Context) error {
 				return err
 			}
 			var samples []time.Duration
+			made := srv.boxes.snapshot()
 			for range r.opts.Iterations {
 				if err := sleep(ctx, series.gap); err != nil {
 					return err
@@ -516,6 +597,7 @@ func (r *runner) perCall(ctx context.Context) error {
 				note = fmt.Sprintf("pool %d, back to back: the pool runs dry", r.opts.Pool)
 			}
 			r.latency(c.key+series.suffix, c.name+series.name, samples, note)
+			r.boxesMade(c.key+series.suffix, srv.boxes.since(made))
 		}
 	}
 	return nil
@@ -535,7 +617,7 @@ func (r *runner) throughput(ctx context.Context) error {
 		return err
 	}
 	r.progress("measuring the idle machine's CPU for %s", r.opts.Duration)
-	w := r.cpuStart()
+	w := r.cpuStart(srv)
 	if err := sleep(ctx, r.opts.Duration); err != nil {
 		return err
 	}
@@ -556,60 +638,31 @@ func (r *runner) throughput(ctx context.Context) error {
 		if err := sleep(ctx, r.opts.Settle); err != nil {
 			return err
 		}
-		var (
-			mu      sync.Mutex
-			samples []time.Duration
-			failed  atomic.Int64
-			firstEr error
-			wg      sync.WaitGroup
-		)
-		w := r.cpuStart()
-		start := time.Now()
-		deadline := start.Add(r.opts.Duration)
-		for range n {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for time.Now().Before(deadline) && ctx.Err() == nil {
-					d, err := srv.call(ctx, "run_python", runPython(printCode, ""), printWant)
-					mu.Lock()
-					if err != nil {
-						failed.Add(1)
-						if firstEr == nil {
-							firstEr = err
-						}
-					} else {
-						samples = append(samples, d)
-					}
-					mu.Unlock()
-				}
-			}()
-		}
-		wg.Wait()
-		elapsed := time.Since(start)
+		made := srv.boxes.snapshot()
+		w := r.cpuStart(srv)
+		l := closedLoop(ctx, n, r.opts.Duration, func() error {
+			_, err := srv.call(ctx, "run_python", runPython(printCode, ""), printWant)
+			return err
+		})
 		span := w.stop()
-		p50, p99 := percentiles(samples)
-		m := Measurement{
-			Key:  fmt.Sprintf("throughput-%d", n),
-			Name: fmt.Sprintf("per-call throughput, %d client%s", n, plural(n)),
-			Unit: "calls/s", N: len(samples),
-			P50:  float64(len(samples)) / elapsed.Seconds(),
-			Note: fmt.Sprintf("latency p50 %.1f ms, p99 %.1f ms", p50, p99),
-		}
-		if f := failed.Load(); f > 0 {
-			m.Err = fmt.Sprintf("%d calls failed, first: %v", f, firstEr)
-		}
+		samples := l.samples
+		m := l.measurement(fmt.Sprintf("throughput-%d", n), fmt.Sprintf("per-call throughput, %d client%s", n, plural(n)), "calls")
 		r.add(m)
+		r.boxesMade(m.Key, srv.boxes.since(made))
 		if len(samples) > 0 {
-			note := fmt.Sprintf("busy time of all CPUs over the %d-client run / calls", n)
+			note := fmt.Sprintf("the %d-client run / calls", n)
 			if idle.MachineErr == nil && span.MachineErr == nil && idle.Elapsed > 0 {
 				base := time.Duration(float64(idle.Machine) * span.Elapsed.Seconds() / idle.Elapsed.Seconds())
-				note += fmt.Sprintf("; %.0f ms busy in all, %.0f ms of it the idle baseline: %.1f ms per call net of it",
+				note += fmt.Sprintf("; machine-wide %.0f ms busy in all, %.0f ms of it the idle baseline: %.1f ms per call net of it",
 					ms(span.Machine), ms(base), ms(span.Machine-base)/float64(len(samples)))
 			}
-			r.cpuRow(fmt.Sprintf("cpu-call-%d", n), fmt.Sprintf("CPU per per-call run, machine-wide, %d client%s", n, plural(n)),
+			r.cpuRow(fmt.Sprintf("cpu-call-%d", n), fmt.Sprintf("CPU per per-call run, %d client%s", n, plural(n)),
 				span, len(samples), note)
 		}
+	}
+	// The same load on bubblewrap, at the highest level.
+	if len(r.opts.Clients) > 0 && !r.skipped("throughput-bwrap") {
+		r.bwrapThroughput(ctx, slices.Max(r.opts.Clients))
 	}
 	return nil
 }
@@ -633,24 +686,24 @@ func plural(n int) string {
 
 // memory measures the PSS of idle pooled boxes and of idle sessions.
 func (r *runner) memory(ctx context.Context) error {
-	find := finderFor(r.opts.Backend)
+	find := finderFor(r.opts.Traits.BoxCgroups)
 	n := r.opts.IdleBoxes
 
-	r.progress("measuring PSS of %d idle pooled sandboxes", n)
+	r.progress("measuring the memory of %d idle pooled sandboxes", n)
 	srv, err := r.startServer(ctx, "per-call", n)
 	if err != nil {
 		return err
 	}
 	boxes, err := waitBoxes(ctx, find, srv.pid(), n)
 	if err == nil {
-		r.addPSS("pss-pooled", "PSS per idle pooled sandbox", boxes, srv.pid())
+		r.addMemory("pooled", "idle pooled sandbox", boxes, srv.pid())
 	}
 	srv.close()
 	if err != nil {
 		return err
 	}
 
-	r.progress("measuring PSS of %d idle sessions", n)
+	r.progress("measuring the memory of %d idle sessions", n)
 	srv, err = r.startWarm(ctx, "session", 0)
 	if err != nil {
 		return err
@@ -665,13 +718,18 @@ func (r *runner) memory(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	r.addPSS("pss-session", "PSS per idle session", boxes, srv.pid())
+	r.addMemory("session", "idle session", boxes, srv.pid())
 	return nil
 }
 
-func (r *runner) addPSS(key, name string, boxes map[string][]int, serverPid int) {
+// addMemory adds the private memory per box (Private_Clean and
+// Private_Dirty of its processes: what the box alone costs, whatever
+// else runs) and the PSS per box, which shares the template's pages
+// among however many boxes are live: it is given at the box count.
+func (r *runner) addMemory(key, name string, boxes map[string][]int, serverPid int) {
 	var pss, uss []float64 // MiB
 	procs := 0
+	byRole := map[string][]float64{} // private MiB of each process, by its role
 	for _, pids := range boxes {
 		var p, u int64
 		for _, pid := range pids {
@@ -682,14 +740,25 @@ func (r *runner) addPSS(key, name string, boxes map[string][]int, serverPid int)
 			p += m.Pss
 			u += m.Private
 			procs++
+			role := processRole(pid)
+			byRole[role] = append(byRole[role], float64(m.Private)/1024)
 		}
 		pss = append(pss, float64(p)/1024)
 		uss = append(uss, float64(u)/1024)
 	}
+	roles := slices.Sorted(maps.Keys(byRole))
+	parts := make([]string, len(roles))
+	for i, role := range roles {
+		v, _ := quantiles(byRole[role])
+		parts[i] = fmt.Sprintf("%s %.2f", role, v)
+	}
+	u50, u99 := quantiles(uss)
+	r.add(Measurement{Key: "private-" + key, Name: "private memory per " + name, Unit: "MiB", N: len(boxes), P50: u50, P99: u99,
+		Note: fmt.Sprintf("Private_Clean+Private_Dirty of the box's %d processes (smaps_rollup); by process, p50 MiB: %s",
+			procs/max(len(boxes), 1), strings.Join(parts, ", "))})
 	p50, p99 := quantiles(pss)
-	u50, _ := quantiles(uss)
-	m := Measurement{Key: key, Name: name, Unit: "MiB", N: len(boxes), P50: p50, P99: p99,
-		Note: fmt.Sprintf("%d processes in %d boxes; private (USS) p50 %.1f MiB", procs, len(boxes), u50),
+	m := Measurement{Key: "pss-" + key, Name: fmt.Sprintf("PSS per %s, %d live", name, len(boxes)), Unit: "MiB", N: len(boxes), P50: p50, P99: p99,
+		Note: fmt.Sprintf("%d processes in %d boxes: shared pages split %d ways and more, so it moves with the box count", procs, len(boxes), len(boxes)),
 	}
 	if shared, ok := sharedMemory(serverPid, boxes); ok {
 		m.Note += fmt.Sprintf("; the server's other helpers (a zygote) %.1f MiB PSS", float64(shared)/1024)
@@ -751,7 +820,10 @@ func (rep *Report) WriteTable(w io.Writer) {
 	}
 	fmt.Fprintf(w, "kiln under test: %s\n", rep.Kiln)
 	if rep.CPUAccounting != "" {
-		fmt.Fprintf(w, "cgroup CPU figures: %s\n", rep.CPUAccounting)
+		fmt.Fprintf(w, "CPU figures (ms CPU) are cgroup figures, the machine-wide one beside: %s\n", rep.CPUAccounting)
+	}
+	if len(rep.Boxes) > 0 {
+		fmt.Fprintf(w, "boxes the servers made, by how: %s\n", describeBoxes(rep.Boxes))
 	}
 	if rep.IdleBusy > busyMachine {
 		fmt.Fprintf(w, "WARNING: the machine was %.0f%% busy with other work while kiln idled: machine-wide CPU figures are not kiln's\n", 100*rep.IdleBusy)
@@ -784,7 +856,7 @@ func (rep *Report) WriteTable(w io.Writer) {
 		fmt.Fprintf(w, "%-50s %6d %14s %12s %9s  %s\n", m.Name, m.N, p50, p99, ratio, note)
 	}
 	if len(rep.Targets) > 0 {
-		fmt.Fprintf(w, "\ntargets of issue 18 (relative ones against this run's baselines)\n")
+		fmt.Fprintf(w, "\ntargets of issues 18 and 28 (relative ones against this run's baselines)\n")
 		fmt.Fprintf(w, "%-50s %-30s %-22s %s\n", "target", "want", "got", "")
 		for _, t := range rep.Targets {
 			verdict := "met"
@@ -814,11 +886,13 @@ func num(v float64) string {
 	return fmt.Sprintf("%.1f", v)
 }
 
-// logWriter forwards the server's stderr to the logger, a line at a time.
+// logWriter forwards the server's stderr to the logger, a line at a time,
+// and counts the boxes it reports.
 type logWriter struct {
-	log *slog.Logger
-	mu  sync.Mutex
-	buf []byte
+	log   *slog.Logger
+	boxes *boxCounts
+	mu    sync.Mutex
+	buf   []byte
 }
 
 func (l *logWriter) Write(p []byte) (int, error) {
@@ -830,26 +904,9 @@ func (l *logWriter) Write(p []byte) (int, error) {
 		if i < 0 {
 			break
 		}
+		l.boxes.line(string(l.buf[:i]))
 		l.log.Debug("kiln mcp", "line", string(l.buf[:i]))
 		l.buf = l.buf[i+1:]
 	}
 	return len(p), nil
-}
-
-// accelOf is the accelerator a microVM server runs with: its --accel flag,
-// else kiln's default, kvm.
-func accelOf(backend string, args []string) string {
-	if backend != "microvm" {
-		return ""
-	}
-	accel := "kvm"
-	for i, a := range args {
-		switch {
-		case (a == "--accel" || a == "-accel") && i+1 < len(args):
-			accel = args[i+1]
-		case strings.HasPrefix(a, "--accel="), strings.HasPrefix(a, "-accel="):
-			accel = a[strings.Index(a, "=")+1:]
-		}
-	}
-	return accel
 }

@@ -2,11 +2,15 @@ package bench
 
 import (
 	"context"
+	"log/slog"
+	"maps"
 	"os"
 	"os/exec"
 	"strings"
 	"testing"
 	"time"
+
+	"kiln/internal/sandbox"
 )
 
 func TestParseProcStat(t *testing.T) {
@@ -74,6 +78,11 @@ func TestTargets(t *testing.T) {
 		{Key: "throughput-2", Unit: "calls/s", N: 500, P50: 100},
 		{Key: "cpu-call-1", Unit: "ms CPU", N: 300, P50: 30},
 		{Key: "cpu-call-2", Unit: "ms CPU", N: 500, P50: 7},
+		{Key: "cpu-bwrap", Unit: "ms CPU", N: 50, P50: 10},             // 0.7× bwrap: met
+		{Key: "cpu-fork", Unit: "ms CPU", N: 50, P50: 3},               // 2.3× a fork: not met
+		{Key: "throughput-bwrap-2", Unit: "calls/s", N: 200, P50: 40},  // 2.5× bwrap at 2 clients: met
+		{Key: "throughput-bwrap-8", Unit: "calls/s", N: 200, P50: 150}, // a level kiln has no row of; never kiln's best
+		{Key: "private-pooled", Unit: "MiB", N: 4, P50: 1.5},
 	}}
 	got := map[string]Target{}
 	for _, tg := range rep.checkTargets() {
@@ -88,8 +97,11 @@ func TestTargets(t *testing.T) {
 		{"session call p50", true, true, "session-call"},
 		{"jail: per-call p50, warm pool", false, true, "percall"},
 		{"jail: per-call p50, back to back", false, false, "percall-b2b"},
-		{"jail: CPU per per-call run, machine-wide", true, true, "cpu-call-2"}, // at the best level
+		{"jail: CPU per per-call run, vs bwrap", true, true, "cpu-call-2"}, // at the best level
+		{"jail: CPU per per-call run, vs a fork", false, true, "cpu-call-2"},
 		{"jail: per-call throughput, best level", false, true, "throughput-2"},
+		{"jail: throughput at most clients, vs bwrap", true, true, "throughput-2"},
+		{"jail: private memory per idle pooled box", true, true, "private-pooled"},
 		{"cold kiln mcp start to first result", false, false, "coldstart"},
 	} {
 		tg, ok := got[c.name]
@@ -102,7 +114,7 @@ func TestTargets(t *testing.T) {
 			t.Errorf("%s: met %v measured %v key %q, want %v %v %q (%+v)", c.name, tg.Met, measured, tg.Key, c.met, c.measured, c.key, tg)
 		}
 	}
-	if _, ok := got["gVisor: CPU per per-call run, machine-wide"]; ok {
+	if _, ok := got["gVisor: CPU per per-call run"]; ok {
 		t.Error("a jail run checks gVisor's targets")
 	}
 	if tg := got["session call p50"]; tg.Limit != 1.3*0.5 || tg.Base != "pipe" || !strings.Contains(tg.Want, "pipe") {
@@ -145,22 +157,111 @@ func TestPreloadsNone(t *testing.T) {
 	}
 }
 
-// A CPU target not met on a busy machine names the cgroup figure and the
-// figure with every hardening measure off.
+// A CPU target not met on a busy machine names the machine-wide figure
+// and the figure with every hardening measure off.
 func TestTargetBounds(t *testing.T) {
 	rep := &Report{Backend: "jail", IdleBusy: 0.9, Measurements: []Measurement{
 		{Key: "throughput-2", Unit: "calls/s", N: 100, P50: 50},
-		{Key: "cpu-call-2", Unit: "ms CPU", N: 100, P50: 200, CgroupCPU: 40},
-		{Key: "hardening-all-off-cpu", Unit: "ms CPU", N: 50, P50: 150, CgroupCPU: 33},
+		{Key: "cpu-call-2", Unit: "ms CPU", N: 100, P50: 40, CgroupCPU: 40, MachineCPU: 200},
+		{Key: "cpu-bwrap", Unit: "ms CPU", N: 50, P50: 20},
+		{Key: "hardening-all-off-cpu", Unit: "ms CPU", N: 50, P50: 33, CgroupCPU: 33, MachineCPU: 150},
 	}}
 	for _, tg := range rep.checkTargets() {
-		if tg.Key != "cpu-call-2" {
+		if tg.Key != "cpu-call-2" || tg.Base != "cpu-bwrap" {
 			continue
 		}
-		if tg.Met || !strings.Contains(tg.Bound, "cgroup figure 40.0 ms") || !strings.Contains(tg.Bound, "off: 150.0 ms (cgroup 33.0 ms)") {
+		if tg.Met || !strings.Contains(tg.Bound, "machine-wide 200.0 ms, the machine 90% busy") || !strings.Contains(tg.Bound, "off: 33.0 ms") {
 			t.Errorf("CPU target %+v: want not met, bounded by the cgroup figure and the all-off row", tg)
 		}
 		return
 	}
 	t.Fatal("no CPU target")
+}
+
+// The jail's box lines, as its text handler writes them, count by path;
+// other lines count nothing.
+func TestBoxCounts(t *testing.T) {
+	var b strings.Builder
+	log := slog.New(slog.NewTextHandler(&b, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	log.Debug("forked a box", "id", "a", "one_step", true, "path", "one-step", "cgroup", time.Millisecond)
+	log.Debug("forked a box", "id", "b", "one_step", false, "path", "two-step")
+	log.Debug("started a box", "id", "c", "path", "direct")
+	log.Debug("forked a box", "id", "d", "path", "one-step")
+	log.Debug("forked a box", "id", "e", "one_step", true)             // an older kiln's
+	log.Info("call", "duration", time.Millisecond, "path", "one-step") // not a box
+	total := &boxCounts{}
+	c := &boxCounts{total: total}
+	before := c.snapshot()
+	for _, line := range strings.Split(b.String(), "\n") {
+		c.line(line)
+	}
+	want := map[string]int{"one-step": 3, "two-step": 1, "direct": 1}
+	if got := c.since(before); !maps.Equal(got, want) {
+		t.Errorf("counted %v, want %v", got, want)
+	}
+	if got := total.snapshot(); !maps.Equal(got, want) {
+		t.Errorf("the run's total counted %v, want %v", got, want)
+	}
+	if got := describeBoxes(want); got != "3 one-step, 1 direct, 1 two-step" {
+		t.Errorf("describeBoxes = %q", got)
+	}
+}
+
+func TestServerPreload(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{nil, strings.Join(sandbox.DefaultPreload, ",")},
+		{[]string{"--preload", "numpy"}, "numpy"},
+		{[]string{"--preload="}, ""},
+		{[]string{"-preload=json", "--preload", "csv"}, "csv"},
+	} {
+		if got := serverPreload(c.args); got != c.want {
+			t.Errorf("serverPreload(%q) = %q, want %q", c.args, got, c.want)
+		}
+	}
+}
+
+// The fork baseline forks a python with the servers' preloads and reads
+// an idle child's private memory; a missing bwrap gives a row that says
+// so, not an error.
+func TestForkAndBwrapBaselines(t *testing.T) {
+	py := "/usr/bin/python3"
+	if _, err := os.Stat(py); err != nil {
+		t.Skip("no /usr/bin/python3")
+	}
+	r := &runner{opts: Options{Python: py, Bwrap: "kiln-no-such-bwrap", Iterations: 5, ServerArgs: []string{"--preload", "json"}}, rep: &Report{}}
+	if err := r.fork(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if m := r.rep.get("fork"); m == nil || m.N != 5 || m.P50 <= 0 {
+		t.Errorf("fork row %+v, want 5 samples", m)
+	}
+	if m := r.rep.get("private-fork"); m == nil || m.P50 <= 0 || m.P50 > 64 {
+		t.Errorf("private-fork row %+v, want a forked child's few MiB", m)
+	}
+	if err := r.bwrap(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if m := r.rep.get("spawn-bwrap"); m == nil || !strings.Contains(m.Err, "skipped: no kiln-no-such-bwrap in $PATH") {
+		t.Errorf("bwrap row %+v, want a line saying it is not installed", m)
+	}
+}
+
+// A process that is no box's PID 1 is named by its command alone.
+func TestProcessRole(t *testing.T) {
+	if _, err := os.Stat("/proc/self/status"); err != nil {
+		t.Skip("no /proc")
+	}
+	want := "bench.test"
+	if b, err := os.ReadFile("/proc/self/comm"); err == nil {
+		want = strings.TrimSpace(string(b))
+	}
+	if os.Getpid() == 1 {
+		want += " (PID 1)"
+	}
+	if got := processRole(os.Getpid()); got != want {
+		t.Errorf("processRole(self) = %q, want %q", got, want)
+	}
 }

@@ -50,10 +50,10 @@ func hasBenchKnobs(path string) (bool, error) {
 }
 
 // hardening runs, for each variant, per-call print(2+2) on a warm pool
-// (p50) and back to back (machine-wide CPU per call). Only the jail has
-// these measures.
+// (p50) and back to back (CPU per call), on a backend that
+// has these measures (Traits.Hardening: the jail).
 func (r *runner) hardening(ctx context.Context) error {
-	if r.opts.Backend != "jail" {
+	if !r.opts.Traits.Hardening {
 		return nil
 	}
 	knobs, err := hasBenchKnobs(r.opts.Kiln)
@@ -111,7 +111,7 @@ func (r *runner) hardeningVariant(ctx context.Context, key string, v hardeningVa
 	if err := sleep(ctx, r.opts.Settle); err != nil {
 		return err
 	}
-	w := r.cpuStart()
+	w := r.cpuStart(srv)
 	var b2b []time.Duration
 	for range r.opts.Iterations {
 		d, err := srv.call(ctx, "run_python", runPython(printCode, ""), printWant)
@@ -130,7 +130,7 @@ func (r *runner) hardeningVariant(ctx context.Context, key string, v hardeningVa
 	}
 	r.latency(key, "jail per-call, "+v.name, warm, fmt.Sprintf("warm pool %d, calls %s apart; %s", r.opts.Pool, r.opts.Gap, how))
 	b50, _ := percentiles(b2b)
-	r.cpuRow(key+"-cpu", "  CPU per run, machine-wide, "+v.name, span, len(b2b),
+	r.cpuRow(key+"-cpu", "  CPU per run, "+v.name, span, len(b2b),
 		fmt.Sprintf("%d calls back to back (p50 %.1f ms), the pool refilling (±%d boxes at the ends)", len(b2b), b50, r.opts.Pool))
 	return nil
 }

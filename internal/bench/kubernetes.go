@@ -31,7 +31,7 @@ const kubeGap = 2 * time.Second
 const jailPrefix = "jail:"
 
 func (r *runner) kubernetesSteps() []step {
-	if r.opts.Backend != "kubernetes" {
+	if !r.opts.Traits.Cluster {
 		return nil
 	}
 	return []step{
@@ -92,13 +92,13 @@ func (r *runner) k8sCreate(ctx context.Context) error {
 // control-plane component, each net of an idle baseline of the same
 // length taken just before with the per-call server idle.
 func (r *runner) boxAndCallCPU(ctx context.Context) error {
-	k8s := r.opts.Backend == "kubernetes"
+	k8s := r.opts.Traits.Cluster
 	window := func() (*cpuWindow, *procSampler) {
 		var s *procSampler
 		if k8s {
 			s = startProcSampler(k8sComponents)
 		}
-		return r.cpuStart(), s
+		return r.cpuStart(nil), s
 	}
 	end := func(w *cpuWindow, s *procSampler) (cpuSpan, componentCPU) {
 		span := w.stop()
@@ -223,7 +223,7 @@ func (r *runner) loop(ctx context.Context, srv *server, clients int, session str
 // after its kubernetes row.
 func (r *runner) alongsideJail(ctx context.Context) error {
 	o := r.opts
-	o.Backend = "jail"
+	o.Backend, o.Traits = "jail", r.opts.Jail
 	j := &runner{opts: o, log: r.log, cpu: r.cpu, rep: &Report{Backend: "jail", CPUs: r.rep.CPUs}}
 	r.progress("measuring the same with a local jail server")
 	var errs []string

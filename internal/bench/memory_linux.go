@@ -13,11 +13,12 @@ import (
 	"time"
 )
 
-// finderFor returns how to find a backend's boxes: the jail puts each
-// box's cgroup in its server's, "<server pid>/<box id>"; other backends fall back to the
-// server's process tree, one box per child subtree.
-func finderFor(backend string) boxFinder {
-	if backend == "jail" {
+// finderFor returns how to find a backend's boxes: with boxCgroups (the
+// jail) each box's cgroup is in its server's, "<server pid>/<box id>";
+// otherwise, and where those are missing, the server's process tree, one
+// box per child subtree.
+func finderFor(boxCgroups bool) boxFinder {
+	if boxCgroups {
 		return func(pid int) (map[string][]int, error) {
 			boxes, err := cgroupBoxes(pid)
 			if err == nil && len(boxes) > 0 {
@@ -192,18 +193,34 @@ func newCPUGroup() (*cpuGroup, error) {
 	return g, nil
 }
 
-// covers says what the group's count holds and misses.
+// covers says what the group's count holds.
 func (g *cpuGroup) covers() string {
 	if g.v2 {
-		return "cgroup v2: the bench's group minus the bench, which the jail's boxes and runsc's processes leave: kiln's own CPU only"
+		return "cgroup v2: the bench's group minus the bench (kiln's servers), plus the groups the backend moves its boxes to"
 	}
-	return "cgroup v1, cpuacct of its own: the bench's group minus the bench; the jail's boxes stay in it, runsc's processes leave it"
+	return "cgroup v1, cpuacct of its own: the bench's group minus the bench (kiln's servers, and the jail's boxes, which stay in it), plus the groups the backend moves its boxes to"
 }
 
 // usage is the CPU time used in the group so far.
-func (g *cpuGroup) usage() (time.Duration, error) {
+func (g *cpuGroup) usage() (time.Duration, error) { return g.dirUsage(g.dir) }
+
+// groupsUsage is the CPU time used so far in the groups at rels, relative
+// to the hierarchy's root; a group that does not exist counts nothing.
+func (g *cpuGroup) groupsUsage(rels []string) time.Duration {
+	var total time.Duration
+	for _, rel := range rels {
+		if d, err := g.dirUsage(filepath.Join(g.parent, filepath.Clean("/"+rel))); err == nil {
+			total += d
+		}
+	}
+	return total
+}
+
+// dirUsage is the CPU time of the group at dir, its descendants, live
+// and removed, included.
+func (g *cpuGroup) dirUsage(dir string) (time.Duration, error) {
 	if g.v2 {
-		b, err := os.ReadFile(filepath.Join(g.dir, "cpu.stat"))
+		b, err := os.ReadFile(filepath.Join(dir, "cpu.stat"))
 		if err != nil {
 			return 0, err
 		}
@@ -215,7 +232,7 @@ func (g *cpuGroup) usage() (time.Duration, error) {
 		}
 		return 0, errors.New("no usage_usec in cpu.stat")
 	}
-	b, err := os.ReadFile(filepath.Join(g.dir, "cpuacct.usage"))
+	b, err := os.ReadFile(filepath.Join(dir, "cpuacct.usage"))
 	if err != nil {
 		return 0, err
 	}
@@ -254,4 +271,29 @@ func loadAverage() string {
 		return ""
 	}
 	return strings.Join(f[:3], " ")
+}
+
+// processRole names a box's process for the memory breakdown: its
+// command, and "PID 1" for the first process of the box's pid namespace.
+func processRole(pid int) string {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return "?"
+	}
+	var comm, nspid string
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "Name:"); ok {
+			comm = strings.TrimSpace(v)
+		}
+		if v, ok := strings.CutPrefix(line, "NSpid:"); ok {
+			f := strings.Fields(v)
+			if len(f) > 0 {
+				nspid = f[len(f)-1]
+			}
+		}
+	}
+	if nspid == "1" {
+		return comm + " (PID 1)"
+	}
+	return comm
 }

@@ -7,14 +7,15 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 
+	"kiln/internal/bench"
 	"kiln/internal/image"
 	"kiln/internal/sandbox"
 	"kiln/internal/sandbox/gvisor"
 	"kiln/internal/sandbox/jail"
-	"kiln/internal/sandbox/kubernetes"
 	"kiln/internal/sandbox/microvm"
 	"kiln/internal/sandbox/wasm"
 )
@@ -33,12 +34,22 @@ import (
 // Options; a _linux.go/_other.go split so other platforms build; and, if it
 // re-executes kiln as a helper process, a MaybeInit. The entry names it,
 // registers its Config's flags and builds it from them and backendEnv
-// (refusing an egress policy it cannot enforce), and sets maybeInit and
-// benchFlags where it has them.
+// (refusing an egress policy it cannot enforce), and sets maybeInit,
+// setupTemplate or servesTemplatesOf, bench and benchFlags where they
+// apply: templates, kiln bench and -h ask the entry, never the name. A
+// backend that most hosts do not need and that links much (Kubernetes)
+// is an optional feature: its entry sits in feature_<name>.go behind a
+// build tag, with an omit file that keeps its name and says how to get it
+// (features.go).
 var registry = []backendEntry{
 	{
-		name:      "jail",
-		maybeInit: jail.MaybeInit,
+		name:          "jail",
+		maybeInit:     jail.MaybeInit,
+		setupTemplate: setupJail,
+		// Under cgroup v2 a box leaves the bench's group for the server's
+		// own (jail's serverGroup); under v1 it stays in its cpuacct.
+		bench: bench.Traits{BoxCgroups: true, Hardening: true, CPUGroups: []string{jail.ServerCgroupParent + "/{pid}"},
+			CPUGroupsNote: "the jail's: kiln/<server pid> under cgroup v2"},
 		flags: func(fs *flag.FlagSet) backendFactory {
 			var c jail.Config
 			c.RegisterFlags(fs)
@@ -61,14 +72,17 @@ var registry = []backendEntry{
 		},
 	},
 	{
-		name: "gvisor",
+		name:          "gvisor",
+		setupTemplate: setupGvisor,
+		// runsc puts each box's sandbox, gofer and their children in a
+		// cgroup under gvisor's cgroupParent, of every kiln server on
+		// the machine alike.
+		bench: bench.Traits{CPUGroups: []string{strings.TrimPrefix(gvisor.CgroupParent, "/")},
+			CPUGroupsNote: "gVisor's: " + gvisor.CgroupParent + ", runsc's sandbox and gofer processes (every kiln server's on the machine)"},
 		flags: func(fs *flag.FlagSet) backendFactory {
 			var c gvisor.Config
 			c.RegisterFlags(fs)
 			return func(ctx context.Context, env backendEnv) (sandbox.Backend, error) {
-				if !env.net.policy.Empty() {
-					return nil, errors.New("--allow-net is not supported on the gvisor backend yet")
-				}
 				agent := env.agent
 				if agent == "" {
 					p, err := jail.FindAgent()
@@ -94,25 +108,56 @@ var registry = []backendEntry{
 					}
 					runsc = p
 				}
-				return gvisor.New(gvisor.Options{Agent: agent, Runsc: runsc, Logger: env.log, Template: env.template})
+				return gvisor.New(gvisor.Options{Agent: agent, Runsc: runsc, Logger: env.log, Template: env.template, Egress: env.net.gateway, Policy: env.net.policy})
 			}
 		},
 	},
 	{
 		name:      "microvm",
 		maybeInit: microvm.MaybeInit,
+		// The microVM packs a template's files (plain files) into a
+		// read-only disk, so it serves templates made on the jail; their
+		// --import modules are imported in the guest before the VM is
+		// saved.
+		servesTemplatesOf: []string{"jail"},
+		bench:             bench.Traits{Accel: microvmAccel},
 		flags: func(fs *flag.FlagSet) backendFactory {
 			var c microvm.Config
 			c.RegisterFlags(fs)
 			return func(ctx context.Context, env backendEnv) (sandbox.Backend, error) {
-				if !env.net.policy.Empty() {
-					return nil, errors.New("--allow-net is not supported on the microvm backend yet")
-				}
 				im, err := image.Latest("")
 				if err != nil {
 					return nil, fmt.Errorf("%w (build one with: kiln image build)", err)
 				}
-				return microvm.New(c.Apply(microvm.Options{Image: im, Logger: env.log, Template: env.template})) // it logs the TCG warning
+				// With --allow-net every VM gets a tap wired to the gateway.
+				return microvm.New(c.Apply(microvm.Options{Image: im, Logger: env.log, Template: env.template, Egress: env.net.gateway, Policy: env.net.policy})) // it logs the TCG warning
+			}
+		},
+	},
+	{
+		name: "firecracker",
+		flags: func(fs *flag.FlagSet) backendFactory {
+			var c microvm.FirecrackerConfig
+			c.RegisterFlags(fs)
+			return func(ctx context.Context, env backendEnv) (sandbox.Backend, error) {
+				o := c.Apply(microvm.FirecrackerOptions{Logger: env.log, Egress: env.net.gateway, Policy: env.net.policy})
+				// What the host lacks first, then what kiln has not built.
+				if _, err := microvm.CheckFirecrackerHost(o.Firecracker); err != nil {
+					return nil, err
+				}
+				if o.Kernel == "" {
+					k, err := image.LatestFirecrackerKernel("")
+					if err != nil {
+						return nil, err
+					}
+					o.Kernel = k
+				}
+				im, err := image.Latest("")
+				if err != nil {
+					return nil, fmt.Errorf("%w (build one with: kiln image build --firecracker-kernel)", err)
+				}
+				o.Image = im
+				return microvm.NewFirecracker(o) // Check: the kernel, the image, firecracker --version, /dev/kvm, a VM
 			}
 		},
 	},
@@ -130,24 +175,20 @@ var registry = []backendEntry{
 			}
 		},
 	},
-	{
-		name: "kubernetes",
-		flags: func(fs *flag.FlagSet) backendFactory {
-			var c kubernetes.Config
-			c.RegisterFlags(fs)
-			return func(ctx context.Context, env backendEnv) (sandbox.Backend, error) {
-				if !env.net.policy.Empty() {
-					return nil, errors.New("--allow-net is not supported on the kubernetes backend (its boxes get a default-deny NetworkPolicy)")
-				}
-				return kubernetes.New(ctx, c.Apply(kubernetes.Options{Logger: env.log}))
-			}
-		},
-	},
+	kubernetesBackend, // feature_kubernetes.go
 }
 
 // backendEntry is one backend kiln can serve with.
 type backendEntry struct {
 	name string
+	// absent, if set, says that the backend is not in this build and how
+	// to get a kiln that has it (features.go): it is the answer of
+	// --backend NAME, of kiln doctor, of the backend's table in a
+	// configuration file and, by flagPrefix, of its flags. Such an entry
+	// has no flags.
+	absent error
+	// flagPrefix starts the names of every flag of the backend's own.
+	flagPrefix string
 	// maybeInit, if set, runs the backend's helper process (a box's init,
 	// a jailed VMM) and never returns when kiln was re-executed as one;
 	// it returns at once otherwise.
@@ -156,6 +197,20 @@ type backendEntry struct {
 	// and doctor shows them) and returns what builds the backend from
 	// their values once fs is parsed.
 	flags func(fs *flag.FlagSet) backendFactory
+	// setupTemplate, if set, makes the backend one that makes configured
+	// templates (and serves its own): it builds the backend a template's
+	// setup runs in, whose boxes have files writable at /template and the
+	// template's network policy.
+	setupTemplate func(ctx context.Context, o templateSetup, net *network, files string) (sandbox.Backend, error)
+	// servesTemplatesOf names the backends whose templates the backend
+	// serves though it cannot make them.
+	servesTemplatesOf []string
+	// egressListens says that the backend's boxes reach the egress
+	// gateway over a network, at --egress-listen (kubernetes), rather
+	// than each through a link the gateway makes.
+	egressListens bool
+	// bench is what kiln bench knows of the backend.
+	bench bench.Traits
 	// benchFlags, if set, defines kiln bench flags that only this backend
 	// reads; the function it returns gives the `kiln mcp` arguments they
 	// stand for, once fs is parsed.
@@ -171,6 +226,14 @@ func MaybeInit() {
 			e.maybeInit()
 		}
 	}
+}
+
+// wiresOwnEgress reports whether the named backend is in this build and
+// wires each of its boxes to the egress gateway itself, so that
+// --egress-listen means nothing to it (backendEntry.egressListens).
+func wiresOwnEgress(name string) bool {
+	i := slices.IndexFunc(registry, func(e backendEntry) bool { return e.name == name })
+	return i >= 0 && registry[i].absent == nil && !registry[i].egressListens
 }
 
 // backendFactory builds a backend from its parsed flags and what every
@@ -197,6 +260,11 @@ type backends map[string]backendFactory
 func registerBackends(fs *flag.FlagSet) backends {
 	bs := backends{}
 	for _, e := range registry {
+		if e.absent != nil {
+			err := e.absent
+			bs[e.name] = func(context.Context, backendEnv) (sandbox.Backend, error) { return nil, err }
+			continue
+		}
 		bs[e.name] = e.flags(fs)
 	}
 	return bs
@@ -223,6 +291,11 @@ func backendNames() string {
 	for i, e := range registry {
 		names[i] = e.name
 	}
+	return orList(names)
+}
+
+// orList is "a, b or c".
+func orList(names []string) string {
 	if len(names) < 2 {
 		return strings.Join(names, "")
 	}
@@ -251,6 +324,21 @@ func (bs backends) checkBackend(ctx context.Context, name string, env backendEnv
 		}
 	}
 	return chk.Check(ctx)
+}
+
+// microvmAccel is the accelerator a microVM server runs with: its --accel
+// flag, else the backend's default.
+func microvmAccel(args []string) string {
+	accel := microvm.AccelKVM
+	for i, a := range args {
+		switch {
+		case (a == "--accel" || a == "-accel") && i+1 < len(args):
+			accel = args[i+1]
+		case strings.HasPrefix(a, "--accel="), strings.HasPrefix(a, "-accel="):
+			accel = a[strings.Index(a, "=")+1:]
+		}
+	}
+	return accel
 }
 
 func cachedRunsc() (string, error) {

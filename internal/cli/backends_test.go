@@ -6,6 +6,9 @@ import (
 	"flag"
 	"io"
 	"log/slog"
+	"os"
+	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -13,6 +16,7 @@ import (
 	"time"
 
 	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/microvm"
 )
 
 // fakeBackend makes no boxes; it records Warm and Close.
@@ -101,7 +105,7 @@ func TestRegistry(t *testing.T) {
 		t.Errorf("%d factories for %d backends", len(c.backends), len(registry))
 	}
 	_, err := c.backends.newBackend(context.Background(), "nosuch", backendEnv{})
-	if err == nil || !strings.Contains(err.Error(), "jail, gvisor, microvm, wasm or kubernetes") {
+	if err == nil || !strings.Contains(err.Error(), "jail, gvisor, microvm, firecracker, wasm or kubernetes") {
 		t.Errorf("unknown backend: %v", err)
 	}
 }
@@ -191,5 +195,67 @@ func TestBenchZygote(t *testing.T) {
 		if (err != nil) != tc.err || !slices.Equal(got, tc.want) {
 			t.Errorf("--zygote=%s: %q, %v; want %q (error %v)", tc.arg, got, err, tc.want, tc.err)
 		}
+	}
+}
+
+// TestFirecrackerDoctor: the firecracker backend is in the registry, and
+// its doctor check names what the host lacks before what kiln has not
+// built: the firecracker binary, then /dev/kvm.
+func TestFirecrackerDoctor(t *testing.T) {
+	if runtime.GOOS != "linux" {
+		t.Skip("firecracker runs on Linux only")
+	}
+	check := func(args ...string) error {
+		fs := flag.NewFlagSet("t", flag.ContinueOnError)
+		var c common
+		c.register(fs)
+		if err := fs.Parse(args); err != nil {
+			t.Fatal(err)
+		}
+		return c.backends.checkBackend(context.Background(), "firecracker", backendEnv{}, func(string) {})
+	}
+	err := check("--firecracker-bin", filepath.Join(t.TempDir(), "no-firecracker"))
+	if err == nil || !strings.Contains(err.Error(), "finding firecracker") || !strings.Contains(err.Error(), "--firecracker-bin") {
+		t.Errorf("without a firecracker binary: %v; want it named, with the flag that names one", err)
+	}
+	if f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0); err == nil {
+		f.Close()
+		t.Skip("/dev/kvm is usable here: the next check would get past it")
+	}
+	fake := filepath.Join(t.TempDir(), "firecracker")
+	if err := os.WriteFile(fake, []byte("#!/bin/sh\nexit 0\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := check("--firecracker-bin", fake); !errors.Is(err, microvm.ErrNoKVM) {
+		t.Errorf("with firecracker but no /dev/kvm: %v; want %v", err, microvm.ErrNoKVM)
+	}
+}
+
+// TestTemplateBackendsFromRegistry: which backends make and serve
+// templates is what their registry entries say, not a list of names.
+func TestTemplateBackendsFromRegistry(t *testing.T) {
+	saved := registry
+	t.Cleanup(func() { registry = saved })
+	registry = append(slices.Clip(registry),
+		backendEntry{name: "maker", setupTemplate: func(context.Context, templateSetup, *network, string) (sandbox.Backend, error) {
+			return &fakeBackend{}, nil
+		}},
+		backendEntry{name: "server", servesTemplatesOf: []string{"maker"}},
+		backendEntry{name: "neither"})
+	if err := checkCreateBackend("maker"); err != nil {
+		t.Errorf("a backend with setupTemplate cannot make templates: %v", err)
+	}
+	if err := checkServeBackend("server"); err != nil || !slices.Equal(servedBy("server"), []string{"maker"}) {
+		t.Errorf("a backend that serves another's templates: %v, serves %v", err, servedBy("server"))
+	}
+	if err := checkCreateBackend("server"); err == nil || !strings.Contains(err.Error(), "made on the maker for the server backend") {
+		t.Errorf("making a template for a backend that only serves them: %v", err)
+	}
+	err := checkServeBackend("neither")
+	if err == nil || !strings.Contains(err.Error(), "maker") || !strings.Contains(err.Error(), "server") {
+		t.Errorf("a backend that neither makes nor serves templates: %v; want the ones that do named", err)
+	}
+	if b, err := setupBackend(context.Background(), templateSetup{backend: "maker"}, &network{}, ""); err != nil || b.Name() != "fake" {
+		t.Errorf("setupBackend did not ask the maker's entry: %v", err)
 	}
 }

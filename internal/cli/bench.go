@@ -9,7 +9,7 @@ import (
 	"log/slog"
 	"os"
 	"strconv"
-	"time"
+	"strings"
 
 	"kiln/internal/bench"
 )
@@ -17,20 +17,28 @@ import (
 const benchUsage = `Usage: kiln bench [flags] [-- kiln mcp flags]
 
 Measures, in one run and side by side: the baselines (a bare python3
-spawn, with and without numpy and pandas, and its CPU; a round trip over a
-pipe to a python3 loop), a cold "kiln mcp" start to its first result, a
-session call, the first call of a new session, a per-call run in a fresh
-sandbox (print and pandas), per-call throughput at several concurrencies
-with the CPU per call counted machine-wide (/proc/stat, beside an idle
-baseline of equal length), for the jail the cost of each hardening measure
-(seccomp, Landlock, cgroups, zygote rotation; the first three only in a
-kiln built with "make bench-kiln"), and the PSS of idle sandboxes. Then it
-checks the targets of issue 18, relative ones against this run's
-baselines. With --backend kubernetes it also measures a per-call run on a
-warm-pool hit and miss, the CPU per box and per session call of the
-control plane (kube-apiserver, etcd, kubelet, containerd, shims; from
-/proc, net of an idle baseline), and a local jail server alongside. Every kiln figure goes through a real MCP client talking to
-"kiln mcp" over stdio. Flags after "--" are passed to every "kiln mcp".
+spawn, with and without numpy and pandas; a bubblewrap spawn, bwrap
+--unshare-all python3 -c, skipped with a line saying so where bwrap is not
+installed; a fork of a python with the servers' preloads, and the private
+memory of one such child; a round trip over a pipe to a python3 loop), a
+cold "kiln mcp" start to its first result, a session call, the first call
+of a new session, a per-call run in a fresh sandbox (print and pandas),
+per-call throughput at several concurrencies beside bubblewrap's at the
+highest, for the jail the cost of each hardening measure (seccomp,
+Landlock, cgroups, zygote rotation; the first three only in a kiln built
+with "make bench-kiln"), what a box's network costs at creation
+(per-call with no pool, with and without --allow-net, alternating), and
+the private memory and PSS of idle sandboxes. CPU figures are the bench's cgroup and the backend's own (the
+jail's boxes, runsc's processes), with the machine-wide figure beside
+them; each kiln row says how its boxes were made (one-step or two-step
+forks of the jail's template, direct starts). Then it checks the targets
+of issues 18 and 28, relative ones against this run's baselines. With
+--backend kubernetes it also measures a per-call run on a warm-pool hit
+and miss, the CPU per box and per session call of the control plane
+(kube-apiserver, etcd, kubelet, containerd, shims; from /proc, net of an
+idle baseline), and a local jail server alongside. Every kiln figure goes
+through a real MCP client talking to "kiln mcp -v" over stdio. Flags
+after "--" are passed to every "kiln mcp".
 
 `
 
@@ -45,18 +53,20 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 		jsonOut = fs.String("json", "", "also write the report as JSON to this file")
 		verbose = fs.Bool("v", false, "show the servers' logs on stderr")
 	)
-	fs.StringVar(&opts.Backend, "backend", "jail", "backend of the kiln servers under test")
+	d := bench.Default
+	fs.StringVar(&opts.Backend, "backend", d.Backend, "backend of the kiln servers under test: "+backendNames())
 	fs.StringVar(&opts.Kiln, "kiln", "", "kiln binary to run as the servers under test, with its kiln-agent beside it (default: this one), to compare builds with the same bench")
-	fs.StringVar(&opts.Python, "python", "/usr/bin/python3", "interpreter of the bare-spawn baselines")
-	fs.IntVar(&opts.Iterations, "n", 50, "samples per latency")
-	fs.DurationVar(&opts.Duration, "duration", 5*time.Second, "length of each throughput run")
-	fs.StringVar(&clients, "clients", "1,2,8", "concurrent clients of the throughput runs")
-	fs.IntVar(&opts.Pool, "pool", 2, "--pool of the servers (sandboxes kept ready)")
-	fs.IntVar(&opts.PoolWorkers, "pool-workers", 1, "--pool-workers of the servers")
-	fs.IntVar(&opts.IdleBoxes, "idle", 4, "idle sandboxes and sessions the memory figures look at")
-	fs.DurationVar(&opts.Settle, "settle", time.Second, "pause before each first call on a new session and each series")
-	fs.DurationVar(&opts.Gap, "gap", 100*time.Millisecond, "pause between the per-call runs of the warm-pool series")
-	fs.StringVar(&skip, "skip", "", "comma-separated measurements to leave out: spawn, pipe, coldstart, session, first, percall, pandas, throughput, hardening, pss")
+	fs.StringVar(&opts.Python, "python", d.Python, "interpreter of the bare-spawn baselines")
+	fs.StringVar(&opts.Bwrap, "bwrap", d.Bwrap, "bubblewrap, for the bwrap baselines (looked up in $PATH)")
+	fs.IntVar(&opts.Iterations, "n", d.Iterations, "samples per latency")
+	fs.DurationVar(&opts.Duration, "duration", d.Duration, "length of each throughput run")
+	fs.StringVar(&clients, "clients", joinInts(d.Clients), "concurrent clients of the throughput runs")
+	fs.IntVar(&opts.Pool, "pool", d.Pool, "--pool of the servers (sandboxes kept ready)")
+	fs.IntVar(&opts.PoolWorkers, "pool-workers", d.PoolWorkers, "--pool-workers of the servers")
+	fs.IntVar(&opts.IdleBoxes, "idle", d.IdleBoxes, "idle sandboxes and sessions the memory figures look at")
+	fs.DurationVar(&opts.Settle, "settle", d.Settle, "pause before each first call on a new session and each series")
+	fs.DurationVar(&opts.Gap, "gap", d.Gap, "pause between the per-call runs of the warm-pool series")
+	fs.StringVar(&skip, "skip", "", "comma-separated measurements to leave out: spawn, bwrap, fork, pipe, coldstart, session, first, percall, pandas, throughput, hardening, network, pss")
 	var backendArgs []func() ([]string, error)
 	for _, e := range registry {
 		if e.benchFlags != nil {
@@ -66,6 +76,14 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
+	e := entry(opts.Backend)
+	if e == nil {
+		return fmt.Errorf("--backend: unknown backend %q (%s)", opts.Backend, backendNames())
+	}
+	if e.absent != nil {
+		return e.absent
+	}
+	opts.Traits, opts.Jail = e.bench, entry("jail").bench
 	for _, args := range backendArgs {
 		a, err := args()
 		if err != nil {
@@ -111,6 +129,14 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 		return context.Cause(ctx)
 	}
 	return err
+}
+
+func joinInts(ns []int) string {
+	s := make([]string, len(ns))
+	for i, n := range ns {
+		s[i] = strconv.Itoa(n)
+	}
+	return strings.Join(s, ",")
 }
 
 func writeJSON(path string, v any) error {

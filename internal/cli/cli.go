@@ -9,10 +9,12 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/netip"
 	"os"
 	"os/signal"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -36,19 +38,20 @@ Usage:
   kiln config print [serve|mcp|run|doctor] [flags]
                                    the effective configuration file (TOML), and where each value came from
   kiln image build [--force]       build the microVM guest image (Debian packages, cached)
-  kiln image build --oci REF       build the kubernetes backend's box image and push it to REF
-  kiln k8s seccomp-profile         print kiln's seccomp profile for the kubelet (kubernetes backend)
+  kiln image build --oci REF       build the kubernetes backend's box image and push it to REF (make build-full)
+  kiln k8s seccomp-profile         print kiln's seccomp profile for the kubelet (kubernetes backend; make build-full)
   kiln wasm install                install the pinned Deno and Pyodide (wasm backend; needs npm)
   kiln template create NAME --setup FILE | list | rm NAME
                                    configured templates: files an operator's setup made, in every box (--template)
   kiln doctor                      which backends work here, and why not
-  kiln version
+  kiln version                     the version, and which optional features this kiln has
 
 Run "kiln <command> -h" for the flags of a command.
 `
 
 // Main runs kiln with args and returns the exit status.
 func Main(args []string, stdout, stderr io.Writer) int {
+	stderr = &lockedWriter{w: stderr}
 	if len(args) == 0 {
 		fmt.Fprint(stderr, usage)
 		return 2
@@ -84,6 +87,7 @@ func Main(args []string, stdout, stderr io.Writer) int {
 		err = runBench(rest, stdout, stderr)
 	case "version", "--version":
 		fmt.Fprintln(stdout, "kiln", mcpserver.Version)
+		fmt.Fprint(stdout, featureLines())
 	case "help", "-h", "--help":
 		fmt.Fprint(stdout, usage)
 	default:
@@ -102,33 +106,36 @@ func Main(args []string, stdout, stderr io.Writer) int {
 
 // common are the flags every serving command shares.
 type common struct {
-	backend     string
-	mode        string
-	agent       string
-	timeout     time.Duration
-	maxTimeout  time.Duration
-	memoryMiB   int64
-	diskMiB     int64
-	pids        int
-	cpus        float64
-	maxOutput   int
-	poolSize    int
-	poolWorkers int
-	idleTTL     time.Duration
-	bounds      bounds
-	resources   resourceFlags
-	jobs        jobFlags
-	hib         hibernateFlags
-	snapshots   snapshotFlags
-	preload     string
-	allowNet    string
-	egressHosts string
-	tpl         templateFlags
-	verbose     bool
-	backends    backends          // every registered backend, with its own flags
-	obs         obsFlags          // audit log and metrics (kiln mcp and serve only)
-	netScope    string            // not a flag: kiln serve --auth oidc's network scope
-	tokens      []mcpserver.Token // not a flag: kiln serve's tokens, which an off-loopback metrics listener requires
+	backend      string
+	mode         string
+	agent        string
+	timeout      time.Duration
+	maxTimeout   time.Duration
+	memoryMiB    int64
+	diskMiB      int64
+	pids         int
+	cpus         float64
+	maxOutput    int
+	poolSize     int
+	poolWorkers  int
+	idleTTL      time.Duration
+	bounds       bounds
+	resources    resourceFlags
+	jobs         jobFlags
+	hib          hibernateFlags
+	snapshots    snapshotFlags
+	preload      string
+	allowNet     string
+	allowNetFor  string // --allow-net-for: allowlists by principal
+	egressHosts  string
+	egressListen string
+	secrets      string
+	tpl          templateFlags
+	verbose      bool
+	backends     backends          // every registered backend, with its own flags
+	obs          obsFlags          // audit log and metrics (kiln mcp and serve only)
+	netScope     string            // not a flag: kiln serve --auth oidc's network scope
+	tokens       []mcpserver.Token // not a flag: kiln serve's tokens, which an off-loopback metrics listener requires
 }
 
 func (c *common) register(fs *flag.FlagSet) {
@@ -150,12 +157,16 @@ func (c *common) register(fs *flag.FlagSet) {
 	c.jobs.register(fs)
 	c.hib.register(fs)
 	c.snapshots.register(fs)
-	fs.StringVar(&c.preload, "preload", "numpy,pandas,matplotlib", "Python modules imported before the first call (skipped when missing)")
+	fs.StringVar(&c.preload, "preload", strings.Join(sandbox.DefaultPreload, ","), "Python modules imported before the first call (skipped when missing)")
 	fs.StringVar(&c.allowNet, "allow-net", "", "hosts sandboxes may reach over HTTP(S), comma-separated: host, *.domain, host:port (default: none, loopback only)")
+	fs.StringVar(&c.allowNetFor, "allow-net-for", "", "allowlists of named clients (HTTP token or OIDC principals; * for every other client), each within --allow-net: PRINCIPAL=HOSTS entries separated by ;, HOSTS as --allow-net takes them, empty for no network, e.g. 'ci=pypi.org,files.pythonhosted.org; *=' (default: every client gets --allow-net)")
 	fs.StringVar(&c.egressHosts, "egress-hosts", "", "hosts file (/etc/hosts format) the egress gateway resolves names with before DNS")
+	fs.StringVar(&c.egressListen, "egress-listen", "", "an IPv4 address of this kiln that the boxes reach over the network, where the egress gateway serves their DNS (port 53) and HTTP proxy (3128): required with --allow-net on the kubernetes backend (in a Pod, its own IP), unused by the others, which wire each box to the gateway themselves")
+	fs.StringVar(&c.secrets, "egress-secrets", "", "credentials the egress gateway adds to HTTPS requests, comma-separated NAME@HOST=env:VAR or NAME@HOST=file:PATH: a box sees $NAME as a placeholder, and the gateway puts the value in its requests' headers to HOST alone (HOST must be in --allow-net)")
 	c.tpl.register(fs)
 	c.backends = registerBackends(fs)
 	fs.BoolVar(&c.verbose, "v", false, "debug logging on stderr")
+	groupUsage(fs)
 }
 
 func (c *common) logger(stderr io.Writer) *slog.Logger {
@@ -188,6 +199,7 @@ func splitList(s string) []string {
 // network is the egress configuration of a server.
 type network struct {
 	policy  egress.Policy
+	per     principalNets   // nil: every principal gets policy
 	gateway *egress.Gateway // nil when the policy is empty
 }
 
@@ -196,11 +208,34 @@ func (c *common) network(log *slog.Logger, obs event.Observer) (*network, error)
 	if err != nil {
 		return nil, fmt.Errorf("--allow-net: %w", err)
 	}
+	var secrets []egress.Secret
+	for _, spec := range splitList(c.secrets) {
+		s, err := egress.ParseSecret(spec)
+		if err != nil {
+			return nil, fmt.Errorf("--egress-secrets: %w", err)
+		}
+		if !p.AllowsName(s.Host) {
+			return nil, fmt.Errorf("--egress-secrets: %s is for %s, which --allow-net does not allow, so no box could use it", s.Name, s.Host)
+		}
+		secrets = append(secrets, s)
+	}
 	n := &network{policy: p}
+	if n.per, err = parsePrincipalNets(c.allowNetFor, p); err != nil {
+		return nil, err
+	}
 	if p.Empty() {
 		return n, nil
 	}
-	if n.gateway, err = egress.NewGateway(egress.Options{Logger: log, HostsFile: c.egressHosts, Observer: obs}); err != nil {
+	var listen netip.Addr
+	if c.egressListen != "" && wiresOwnEgress(c.backend) {
+		return nil, fmt.Errorf("--egress-listen is for backends whose boxes reach the gateway over a network (kubernetes); the %s backend wires each box to the gateway itself: leave it out", c.backend)
+	}
+	if c.egressListen != "" {
+		if listen, err = netip.ParseAddr(c.egressListen); err != nil {
+			return nil, fmt.Errorf("--egress-listen: %w", err)
+		}
+	}
+	if n.gateway, err = egress.NewGateway(egress.Options{Logger: log, HostsFile: c.egressHosts, Observer: obs, Secrets: secrets, Listen: listen}); err != nil {
 		return nil, fmt.Errorf("starting the egress gateway: %w", err)
 	}
 	return n, nil
@@ -300,8 +335,13 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 			netDesc += " Only for clients whose token holds the scope " + c.netScope + "; for others the network is cut."
 		}
 	}
+	var networkFor func(string) (mcpserver.PrincipalNetwork, bool)
+	if net.per != nil {
+		networkFor = net.per.lookup
+		log.Info("egress allowlists by client", "allow_net_for", net.per.String())
+	}
 	srv := mcpserver.New(mcpserver.Options{Manager: mgr, Runtime: rt, Backend: b.Name(), Network: netDesc, Logger: log,
-		NetScope: c.netScope, Resources: c.resources.options(c.maxOutput)})
+		NetScope: c.netScope, NetworkFor: networkFor, Resources: c.resources.options(c.maxOutput)})
 	st := &stack{net: net, backend: b, mgr: mgr, srv: srv, obs: obs}
 	if err := obs.serve(c.obs.metricsAddr, c.tokens, mgr); err != nil {
 		st.close()
@@ -520,4 +560,19 @@ func printResult(w io.Writer, res *mcp.CallToolResult, imageDir string) {
 			}
 		}
 	}
+}
+
+// lockedWriter serializes writes to stderr. Logs reach it from the
+// server's goroutines (the egress gateway's DNS handler, for one) while a
+// command prints its own lines; an *os.File takes that, a caller's buffer
+// does not.
+type lockedWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (l *lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
 }

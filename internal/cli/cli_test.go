@@ -41,7 +41,7 @@ func TestUsage(t *testing.T) {
 		}
 	}
 	for _, v := range []string{"version", "--version"} {
-		if rc, out, _ := kiln(t, v); rc != 0 || out != "kiln "+mcpserver.Version+"\n" {
+		if rc, out, _ := kiln(t, v); rc != 0 || out != "kiln "+mcpserver.Version+"\n"+featureLines() {
 			t.Errorf("%s: status %d, stdout %q", v, rc, out)
 		}
 	}
@@ -100,6 +100,8 @@ func TestFlagErrors(t *testing.T) {
 		{[]string{"mcp", "--mode", "forever"}, `--mode must be session or per-call, not "forever"`},
 		{[]string{"serve", "--mode", "forever"}, `--mode must be session or per-call, not "forever"`},
 		{[]string{"mcp", "--allow-net", "ex!ample.com"}, "--allow-net: egress: invalid policy entry"},
+		{[]string{"mcp", "--allow-net", "example.org", "--egress-listen", "10.0.0.1"}, "--egress-listen is for backends whose boxes reach the gateway over a network (kubernetes); the jail backend"},
+		{[]string{"mcp", "--backend", "kubernetes", "--allow-net", "example.org", "--egress-listen", "no.such"}, "--egress-listen: ParseAddr"},
 		{[]string{"serve", "--addr", "0.0.0.0:8080"}, "refusing to listen on a non-loopback address without a token"},
 		{[]string{"serve", "--addr", "nonsense"}, `parsing address "nonsense"`},
 		{[]string{"run"}, "give code with -c CODE or -f FILE"},
@@ -185,5 +187,27 @@ func TestPrintImageNames(t *testing.T) {
 	}
 	if got := strings.Join(names, " "); got != "kiln-image-1.bin kiln-image-2.svg+xml kiln-image-3.bin" {
 		t.Errorf("saved %s\n%s", got, out.String())
+	}
+}
+
+// TestHelpGroupsBackendFlags: a serving command's help shows each
+// backend's flags under its name, after the command's own; with --backend
+// NAME first, only that backend's.
+func TestHelpGroupsBackendFlags(t *testing.T) {
+	_, _, all := kiln(t, "mcp", "-h")
+	jail := strings.Index(all, "\nFlags of the jail backend (--backend jail):\n")
+	gv := strings.Index(all, "\nFlags of the gvisor backend (--backend gvisor):\n")
+	if jail < 0 || gv < 0 {
+		t.Fatalf("kiln mcp -h has no jail and gvisor groups:\n%s", all)
+	}
+	if z := strings.Index(all, "  -zygote\n"); z < jail || (gv > jail && z > gv) {
+		t.Errorf("-zygote is not in the jail's group:\n%s", all)
+	}
+	if m := strings.Index(all, "  -mode string\n"); m < 0 || m > jail {
+		t.Errorf("the command's own -mode is not listed before the backends' groups:\n%s", all)
+	}
+	_, _, one := kiln(t, "mcp", "--backend", "gvisor", "-h")
+	if !strings.Contains(one, "  -runsc string\n") || strings.Contains(one, "-zygote") || !strings.Contains(one, "  -mode string\n") {
+		t.Errorf("kiln mcp --backend gvisor -h should show the common flags and gvisor's only:\n%s", one)
 	}
 }

@@ -32,7 +32,7 @@ const configUsage = "configuration file, TOML (default: $KILN_CONFIG, else the f
 func parseFlags(fs *flag.FlagSet, args []string) error {
 	cfg := fs.String("config", "", configUsage)
 	if err := fs.Parse(args); err != nil {
-		return err
+		return hintMissingFlag(err)
 	}
 	capture, _ := fs.Output().(*flagCapture)
 	if capture != nil && capture.flagsOnly {
@@ -93,9 +93,13 @@ func fileLayout() (config.Layout, error) {
 	})
 	l := config.Layout{Known: known, Env: env, NotInFile: []string{"config"}}
 	for _, e := range registry {
+		s := config.Section{Group: "backends", Name: e.name, Absent: e.absent}
+		if e.absent != nil {
+			l.Sections = append(l.Sections, s)
+			continue
+		}
 		fs := flag.NewFlagSet(e.name, flag.ContinueOnError)
 		e.flags(fs)
-		s := config.Section{Group: "backends", Name: e.name}
 		fs.VisitAll(func(f *flag.Flag) { s.Flags = append(s.Flags, f.Name) })
 		l.Sections = append(l.Sections, s)
 	}

@@ -10,8 +10,10 @@ import (
 )
 
 // hibernateFlags configure hibernation: with --state-dir (snapshots.go),
-// idle sessions are saved to <--state-dir>/hibernated and resumed at their
-// next call, in this server or the next one.
+// idle sessions are saved to the one snapshot store, <--state-dir>/snapshots,
+// and resumed at their next call, in this server or the next one. Dir is
+// <--state-dir>/hibernated, where an older kiln kept them: the store moves
+// what it finds there into itself at start.
 type hibernateFlags struct {
 	after           time.Duration
 	ttl             time.Duration

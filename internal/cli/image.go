@@ -29,7 +29,11 @@ func runImage(args []string, stdout, stderr io.Writer) error {
 	ctx, cancel := signalContext()
 	defer cancel()
 	if *oci != "" {
-		ref, err := image.BuildOCI(ctx, image.Options{Agent: *agent, Force: *force, Logger: log}, image.OCIOptions{Ref: *oci, Insecure: *insecure})
+		ref, err := buildOCI(ctx, image.Options{Agent: *agent, Force: *force, Logger: log}, *oci, *insecure)
+		var missing *missingFeatureError
+		if errors.As(err, &missing) {
+			return err
+		}
 		if err != nil {
 			return fmt.Errorf("building the box image: %w", err)
 		}

@@ -168,17 +168,21 @@ func runDoctor(args []string, stdout, stderr io.Writer) error {
 		return err
 	}
 	ok := 0
+	width := 8
+	for _, e := range registry {
+		width = max(width, len(e.name))
+	}
 	for _, e := range registry {
 		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 		err := c.backends.checkBackend(ctx, e.name, backendEnv{agent: c.agent, log: discard()}, func(note string) {
-			fmt.Fprintf(stderr, "%-8s note: %s\n", e.name, note)
+			fmt.Fprintf(stderr, "%-*s note: %s\n", width, e.name, note)
 		})
 		cancel()
 		if err == nil {
 			ok++
-			fmt.Fprintf(stdout, "%-8s ok\n", e.name)
+			fmt.Fprintf(stdout, "%-*s ok\n", width, e.name)
 		} else {
-			fmt.Fprintf(stdout, "%-8s not available: %v\n", e.name, err)
+			fmt.Fprintf(stdout, "%-*s not available: %v\n", width, e.name, err)
 		}
 	}
 	if ok == 0 {

@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"os"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -17,11 +16,11 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"kiln/internal/boxpolicy"
 	"kiln/internal/boxtemplate"
 	"kiln/internal/config"
 	"kiln/internal/mcpserver"
 	"kiln/internal/sandbox"
-	"kiln/internal/sandbox/boxplan"
 )
 
 const templateUsage = `Usage:
@@ -34,8 +33,8 @@ packages installed with pip --target "$KILN_TEMPLATE_FILES/python", data files
 under "$KILN_TEMPLATE_FILES". kiln template create starts a box (jail,
 or gvisor with --backend gvisor) whose /template is writable, runs FILE in
 it once (python3 if it ends in .py, else bash) under the template's
-network policy (--allow-net, as kiln serve has it, jail only; default: no
-network), and keeps what it wrote. A server started
+network policy (--allow-net, as kiln serve has it; default: no network),
+and keeps what it wrote. A server started
 with --template NAME shows those files read-only at /template in every
 box, with /template/python on PYTHONPATH, and imports the --import
 modules before each box is handed out (on the jail, the zygote imports
@@ -70,10 +69,35 @@ func runTemplate(args []string, stdout, stderr io.Writer) error {
 	return fmt.Errorf("kiln template: unknown subcommand %q", args[0])
 }
 
-// templateDirFlag defines --template-dir, whose default comes from
-// KILN_TEMPLATE_DIR as on the serving commands.
-func templateDirFlag(fs *flag.FlagSet) *string {
-	return fs.String("template-dir", os.Getenv("KILN_TEMPLATE_DIR"), "where templates live (default: /var/lib/kiln/templates as root, else kiln's directory in the user's cache)")
+// templateDirFlag defines --template-dir on a template command. The
+// function it returns, once fs is parsed, opens the store: in the
+// directory the command line names, else the one the configuration layer
+// gives the serving commands (KILN_TEMPLATE_DIR, then the file: see
+// package config), so both find the same templates.
+func templateDirFlag(fs *flag.FlagSet) func() (*boxtemplate.Store, error) {
+	dir := fs.String("template-dir", "", "where templates live (default: $KILN_TEMPLATE_DIR, else the configuration file's, else /var/lib/kiln/templates as root, else kiln's directory in the user's cache)")
+	return func() (*boxtemplate.Store, error) {
+		d := *dir
+		if d == "" {
+			var err error
+			if d, err = configuredTemplateDir(); err != nil {
+				return nil, err
+			}
+		}
+		return boxtemplate.Open(d)
+	}
+}
+
+// configuredTemplateDir is the serving commands' --template-dir as the
+// configuration layer resolves it from the environment and the file.
+func configuredTemplateDir() (string, error) {
+	fs := flag.NewFlagSet("kiln template", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	dir := fs.String("template-dir", "", "")
+	if err := parseFlags(fs, nil); err != nil {
+		return "", err
+	}
+	return *dir, nil
 }
 
 // parseNamed parses fs from args that hold one NAME before or after the
@@ -117,7 +141,7 @@ type templateSetup struct {
 func runTemplateCreate(args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("kiln template create", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	dir := templateDirFlag(fs)
+	openStore := templateDirFlag(fs)
 	setup := fs.String("setup", "", "the setup: python3 runs it if it ends in .py, else bash (required)")
 	imports := fs.String("import", "", "Python modules every box of the template imports before it is handed out, comma-separated")
 	allowNet := fs.String("allow-net", "", "hosts the setup may reach over HTTP(S), comma-separated, as kiln serve's --allow-net (default: none)")
@@ -126,7 +150,7 @@ func runTemplateCreate(args []string, stdout, stderr io.Writer) error {
 	timeout := fs.Duration("timeout", 30*time.Minute, "time limit of the setup")
 	memory := fs.Int64("memory", 2048, "memory limit of the setup's box, MiB")
 	disk := fs.Int64("disk", sandbox.DefaultLimits.WorkspaceBytes>>20, "workspace of the setup's box (where it runs), MiB; the template's own files are not in it")
-	backend := fs.String("backend", "jail", "backend the setup runs in and the template serves: jail or gvisor")
+	backend := fs.String("backend", "jail", "backend the setup runs in and the template serves: "+templateMakers())
 	verbose := fs.Bool("v", false, "debug logging on stderr")
 	name, err := parseNamed(fs, args)
 	if err != nil {
@@ -140,7 +164,7 @@ func runTemplateCreate(args []string, stdout, stderr io.Writer) error {
 	}
 	c := common{verbose: *verbose}
 	log := c.logger(stderr)
-	store, err := boxtemplate.Open(*dir)
+	store, err := openStore()
 	if err != nil {
 		return err
 	}
@@ -308,11 +332,11 @@ func signalSuffix(sig string) string {
 func runTemplateList(args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("kiln template list", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	dir := templateDirFlag(fs)
+	openStore := templateDirFlag(fs)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	store, err := boxtemplate.Open(*dir)
+	store, err := openStore()
 	if err != nil {
 		return err
 	}
@@ -356,12 +380,12 @@ func humanBytes(n int64) string {
 func runTemplateRemove(args []string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("kiln template rm", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	dir := templateDirFlag(fs)
+	openStore := templateDirFlag(fs)
 	name, err := parseNamed(fs, args)
 	if err != nil {
 		return err
 	}
-	store, err := boxtemplate.Open(*dir)
+	store, err := openStore()
 	if err != nil {
 		return err
 	}
@@ -379,7 +403,7 @@ type templateFlags struct {
 }
 
 func (t *templateFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&t.name, "template", "", "configured template every box starts from (kiln template create): its files are read-only at "+boxplan.TemplateDir+" and its modules preloaded; jail, gvisor and microvm (which serves templates made on the jail) backends")
+	fs.StringVar(&t.name, "template", "", "configured template every box starts from (kiln template create): its files are read-only at "+boxpolicy.TemplateDir+" and its modules preloaded; jail, gvisor and microvm (which serves templates made on the jail) backends")
 	fs.StringVar(&t.dir, "template-dir", "", "where templates live (default: /var/lib/kiln/templates as root, else kiln's directory in the user's cache)")
 }
 
@@ -397,7 +421,7 @@ func (t *templateFlags) load(backend string) (*boxtemplate.Template, error) {
 	if err != nil {
 		return nil, fmt.Errorf("--template: %w", err)
 	}
-	tpl, err := store.LoadServed(t.name, mcpserver.Version, backend, servedFrom[backend])
+	tpl, err := store.LoadServed(t.name, mcpserver.Version, backend, servedBy(backend))
 	if err != nil {
 		return nil, fmt.Errorf("--template: %w", err)
 	}
@@ -421,7 +445,7 @@ func templatePreload(tpl *boxtemplate.Template, preload []string) []string {
 
 // templateNote tells the model about the template's files.
 func templateNote(tpl *boxtemplate.Template) string {
-	s := fmt.Sprintf("Files the operator prepared (template %s) are at %s, read-only; Python modules under %s are importable", tpl.Name, boxplan.TemplateDir, boxplan.TemplatePython)
+	s := fmt.Sprintf("Files the operator prepared (template %s) are at %s, read-only; Python modules under %s are importable", tpl.Name, boxpolicy.TemplateDir, boxpolicy.TemplatePython)
 	if len(tpl.Import) > 0 {
 		s += " (" + strings.Join(tpl.Import, ", ") + " already imported)"
 	}

@@ -36,8 +36,29 @@ func TestTemplateGVisor(t *testing.T) {
 	if !strings.Contains(out, "setup ran as 65534") || !strings.Contains(out, "template g1: 2 files") {
 		t.Errorf("kiln template create said:\n%s", out)
 	}
-	if out, err := makeTemplate(t, agent, dir, "g2", "setup.sh", "true\n", "--backend", "gvisor", "--allow-net", "example.org"); err == nil || !strings.Contains(out, "not supported on the gvisor backend") {
+	// A setup with --allow-net runs under the template's policy: through
+	// the egress gateway, which answers only the allowed name (from a hosts
+	// file: nothing is looked up or dialled outside).
+	const netSetup = `echo "proxy=${HTTPS_PROXY:-none}"
+python3 -c 'import socket
+for n in ("example.org", "elsewhere.test"):
+    try:
+        socket.getaddrinfo(n, 443); print("dns", n, "answered")
+    except OSError:
+        print("dns", n, "refused")'
+`
+	hosts := filepath.Join(t.TempDir(), "hosts")
+	if err := os.WriteFile(hosts, []byte("93.184.215.14 example.org\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := makeTemplate(t, agent, dir, "g2", "setup.sh", netSetup, "--backend", "gvisor", "--allow-net", "example.org", "--egress-hosts", hosts); err != nil {
 		t.Errorf("--allow-net on a gvisor setup: %v\n%s", err, out)
+	} else {
+		for _, want := range []string{"proxy=http://", "dns example.org answered", "dns elsewhere.test refused"} {
+			if !strings.Contains(out, want) {
+				t.Errorf("the gvisor setup with --allow-net: missing %q in:\n%s", want, out)
+			}
+		}
 	}
 
 	const probe = `import sys

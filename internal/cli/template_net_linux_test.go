@@ -1,13 +1,10 @@
 package cli
 
 import (
-	"archive/zip"
 	"bytes"
 	"context"
 	"crypto/sha256"
-	"encoding/base64"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"net/netip"
@@ -23,6 +20,7 @@ import (
 
 	"kiln/internal/boxtemplate"
 	"kiln/internal/egress"
+	"kiln/internal/egress/egresstest"
 	"kiln/internal/sandbox"
 	"kiln/internal/sandbox/sandboxtest"
 )
@@ -130,7 +128,7 @@ func localIndex(t *testing.T) netip.Addr {
 	}
 
 	root := t.TempDir()
-	wheelName, wheel := probeWheel(t)
+	wheelName, wheel := egresstest.Wheel(t)
 	os.MkdirAll(filepath.Join(root, "simple", "kilnprobe"), 0o755)
 	os.MkdirAll(filepath.Join(root, "packages"), 0o755)
 	os.WriteFile(filepath.Join(root, "packages", wheelName), wheel, 0o644)
@@ -154,34 +152,4 @@ func localIndex(t *testing.T) netip.Addr {
 		time.Sleep(100 * time.Millisecond)
 	}
 	return webAddr
-}
-
-// probeWheel is a pure-python wheel whose module kilnprobe says
-// "kiln-probe-ok".
-func probeWheel(t *testing.T) (string, []byte) {
-	t.Helper()
-	files := []struct{ name, body string }{
-		{"kilnprobe/__init__.py", "VALUE = 'kiln-probe-ok'\n"},
-		{"kilnprobe-0.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: kilnprobe\nVersion: 0.1\n"},
-		{"kilnprobe-0.1.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: kiln-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"},
-	}
-	var buf bytes.Buffer
-	zw := zip.NewWriter(&buf)
-	var record strings.Builder
-	for _, f := range files {
-		fw, err := zw.Create(f.name)
-		if err != nil {
-			t.Fatal(err)
-		}
-		io.WriteString(fw, f.body)
-		sum := sha256.Sum256([]byte(f.body))
-		fmt.Fprintf(&record, "%s,sha256=%s,%d\n", f.name, base64.RawURLEncoding.EncodeToString(sum[:]), len(f.body))
-	}
-	record.WriteString("kilnprobe-0.1.dist-info/RECORD,,\n")
-	fw, _ := zw.Create("kilnprobe-0.1.dist-info/RECORD")
-	io.WriteString(fw, record.String())
-	if err := zw.Close(); err != nil {
-		t.Fatal(err)
-	}
-	return "kilnprobe-0.1-py3-none-any.whl", buf.Bytes()
 }

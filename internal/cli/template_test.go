@@ -7,6 +7,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -265,5 +266,35 @@ func TestSetupFileTrusted(t *testing.T) {
 	}
 	if _, err := readSetup(write(0o644, 4242)); !errors.Is(err, config.ErrUnsafeFile) || !strings.Contains(err.Error(), "uid 4242") {
 		t.Errorf("a setup file of uid 4242: err = %v, want ErrUnsafeFile naming the uid", err)
+	}
+}
+
+// TestTemplateDirFromConfig: the template commands find their directory
+// where the serving commands do, through the configuration layer: the
+// command line, else KILN_TEMPLATE_DIR, else the file's template-dir.
+func TestTemplateDirFromConfig(t *testing.T) {
+	list := func() {
+		t.Helper()
+		var out, errs strings.Builder
+		if err := runTemplateList(nil, &out, &errs); err != nil {
+			t.Fatalf("kiln template list: %v\n%s", err, errs.String())
+		}
+	}
+	made := func(dir string) bool {
+		_, err := os.Stat(dir)
+		return err == nil
+	}
+	cleanConfigEnv(t)
+	fromFile := templateStore(t)
+	t.Setenv("KILN_CONFIG", writeConfig(t, "template-dir = "+strconv.Quote(fromFile)+"\n"))
+	list()
+	if !made(fromFile) {
+		t.Errorf("kiln template list did not open the file's template-dir %s", fromFile)
+	}
+	fromEnv := templateStore(t)
+	t.Setenv("KILN_TEMPLATE_DIR", fromEnv)
+	list()
+	if !made(fromEnv) {
+		t.Errorf("kiln template list did not open $KILN_TEMPLATE_DIR %s", fromEnv)
 	}
 }

@@ -44,6 +44,9 @@ type Section struct {
 	Group string
 	Name  string
 	Flags []string
+	// Absent, if set, says that this part of kiln is not in this build
+	// (and how to get it): a key in its table is refused with it.
+	Absent error
 }
 
 // Layout says which keys a file may hold and where.
@@ -194,6 +197,10 @@ func (p *parser) group(key string, prim toml.Primitive, secs []Section) []error 
 			continue
 		}
 		for _, k := range sortedKeys(vals) {
+			if secs[i].Absent != nil {
+				errs = append(errs, p.fail(vals[k], secs[i].Absent.Error()))
+				continue
+			}
 			if !slices.Contains(secs[i].Flags, k) {
 				errs = append(errs, p.fail(vals[k], fmt.Sprintf("unknown key %q in [%s.%s] (known: %s)", k, key, name, strings.Join(secs[i].Flags, ", "))))
 				continue

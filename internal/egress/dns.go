@@ -40,9 +40,9 @@ func (c *core) serveDNS(w dns.ResponseWriter, req *dns.Msg) {
 		c.refuse(a, Refusal{Via: "dns", Name: name, Reason: reasonCut})
 		return
 	}
-	if q.Qclass != dns.ClassINET || !a.policy.AllowsName(name) {
+	if p := a.Policy(); q.Qclass != dns.ClassINET || !p.AllowsName(name) {
 		m.Rcode = dns.RcodeRefused
-		c.refuse(a, Refusal{Via: "dns", Name: name, Reason: "not in the allowlist (allowed: " + a.policy.String() + ")"})
+		c.refuse(a, Refusal{Via: "dns", Name: name, Reason: "not in the allowlist (allowed: " + p.String() + ")"})
 		return
 	}
 	if q.Qtype != dns.TypeA {

@@ -372,10 +372,10 @@ func TestHostMustMatchCheckedName(t *testing.T) {
 		t.Errorf("CONNECT web.test:80 then Host: other.test: %q, want 403", out)
 	}
 	// CONNECT to an allowed name, then TLS for another (SNI).
-	wantContains(t, b.probe(t, "tunnel-tls", "web.test:443", "web.test", w.caFile), "RESP HTTP/1.1 200 OK web:web.test/tls")
+	wantContains(t, b.probe(t, "tunnel-tls", "web.test:443", "web.test", w.CAFile), "RESP HTTP/1.1 200 OK web:web.test/tls")
 	// No SNI: nothing to front with at the TLS layer, the tunnel's name holds.
-	wantContains(t, b.probe(t, "tunnel-tls", "web.test:443", "-", w.caFile), "RESP HTTP/1.1 200 OK web:web.test/tls")
-	out = b.probe(t, "tunnel-tls", "web.test:443", "other.test", w.caFile)
+	wantContains(t, b.probe(t, "tunnel-tls", "web.test:443", "-", w.CAFile), "RESP HTTP/1.1 200 OK web:web.test/tls")
+	out = b.probe(t, "tunnel-tls", "web.test:443", "other.test", w.CAFile)
 	if !strings.HasPrefix(out, "ERR") {
 		t.Errorf("CONNECT web.test:443 then TLS with SNI other.test: %q, want a TLS failure", out)
 	}

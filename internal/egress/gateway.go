@@ -3,6 +3,8 @@ package egress
 import (
 	"cmp"
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
@@ -52,6 +54,17 @@ type Options struct {
 	// HTTP_PROXY and HTTPS_PROXY point at. Default 3128.
 	ProxyPort uint16
 
+	// Listen, if set, makes a gateway for boxes that reach it over a real
+	// network (Kubernetes Pods) rather than a veth of its own: no
+	// namespace is made, the DNS responder (port 53, UDP and TCP) and the
+	// HTTP proxy listen on this address of the caller's network
+	// namespace, and boxes are attached by their address (AttachAddr).
+	// What else a box reaches is the network's to deny (a NetworkPolicy
+	// that lets it reach only these ports of this address); there is no
+	// transparent proxy, so a box gets out only through its proxy
+	// settings. Network is unused.
+	Listen netip.Addr
+
 	// Hosts maps names to addresses for the gateway's resolver, before
 	// DNS; a name listed here is never looked up in DNS. For operators
 	// with split-horizon DNS, and for tests. Merged over HostsFile.
@@ -73,6 +86,14 @@ type Options struct {
 	// loopback, link-local (the metadata service), multicast and the host's
 	// own addresses can never be exempted. Empty by default.
 	TestOnlyAllowedAddrs []netip.Prefix
+
+	// Secrets are credentials the gateway adds to boxes' HTTPS requests
+	// to their hosts, in place of placeholders (secrets.go).
+	Secrets []Secret
+	// UpstreamRoots are the roots a secret host's certificate is checked
+	// against once the gateway has terminated the box's TLS. Default: the
+	// host's.
+	UpstreamRoots *x509.CertPool
 
 	// DialTimeout bounds each dial to a destination. Default 10s.
 	DialTimeout time.Duration
@@ -137,6 +158,16 @@ func (o Options) withDefaults() Options {
 	return o
 }
 
+// BoxSetup is what a box under a policy gets from the gateway inside it:
+// the same for every box under that policy, so a template can hold it
+// before any box exists (the jail's zygote), and Attach gives each box
+// the same in its Attachment.
+type BoxSetup struct {
+	ResolvConf  string   // the content of its /etc/resolv.conf
+	Env         []string // for its processes: proxy settings, secrets' placeholders
+	TrustBundle []byte   // the CA bundle it must trust (Attachment.TrustBundle); nil without secrets
+}
+
 // BoxInfo says whose box is being attached and what it may reach.
 type BoxInfo struct {
 	Session string
@@ -181,6 +212,7 @@ type Attachment struct {
 	addr       netip.Addr
 	resolvConf string
 	env        []string
+	hasSecrets bool // some host the policy allows has a secret
 	core       *core
 	proxy      *httputil.ReverseProxy
 	transport  *http.Transport
@@ -189,6 +221,7 @@ type Attachment struct {
 	refusals []Refusal
 	conns    map[io.Closer]struct{} // upstream connections
 	cut      atomic.Bool            // set by Cut: nothing is allowed
+	narrowed atomic.Pointer[Policy] // set by Restrict: what is left of policy
 	closed   bool
 	cleanup  boxkit.Cleanup
 
@@ -206,8 +239,14 @@ type Attachment struct {
 // Session is the session the box belongs to.
 func (a *Attachment) Session() string { return a.session }
 
-// Policy is what the box may reach.
-func (a *Attachment) Policy() Policy { return a.policy }
+// Policy is what the box may reach: the policy it was attached with, as
+// Restrict has narrowed it.
+func (a *Attachment) Policy() Policy {
+	if p := a.narrowed.Load(); p != nil {
+		return *p
+	}
+	return a.policy
+}
 
 // Addr is the box's address on its veth; invalid when the policy is empty
 // and the box has loopback only.
@@ -303,6 +342,10 @@ type core struct {
 	log  *slog.Logger
 	res  *resolver
 	chk  *addrChecker
+	sec  *secrets // nil without secrets
+	// bundle is trustBundle's answer, made once: every box of a gateway
+	// with secrets gets the same, and boxes are made on a hot path.
+	bundle func() []byte
 
 	mu    sync.RWMutex
 	boxes map[netip.Addr]*Attachment
@@ -324,7 +367,13 @@ func newCore(opts Options) (*core, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &core{opts: opts, log: opts.Logger, res: res, chk: chk, boxes: map[netip.Addr]*Attachment{}, refusing: make(chan struct{}, maxRefusing)}, nil
+	sec, err := newSecrets(opts.Secrets)
+	if err != nil {
+		return nil, err
+	}
+	c := &core{opts: opts, log: opts.Logger, res: res, chk: chk, sec: sec, boxes: map[netip.Addr]*Attachment{}, refusing: make(chan struct{}, maxRefusing)}
+	c.bundle = sync.OnceValue(c.readTrustBundle)
+	return c, nil
 }
 
 // newAttachment builds the attachment of a box at addr, with its own HTTP
@@ -342,6 +391,7 @@ func (c *core) newAttachment(box BoxInfo, addr netip.Addr) *Attachment {
 			via, _ := ctx.Value(viaKey{}).(string)
 			return c.dial(ctx, a, cmp.Or(via, "proxy"), host, port)
 		},
+		TLSClientConfig:       &tls.Config{RootCAs: c.opts.UpstreamRoots, MinVersion: tls.VersionTLS12},
 		DisableCompression:    true,
 		MaxIdleConns:          8,
 		MaxIdleConnsPerHost:   4,
@@ -352,9 +402,10 @@ func (c *core) newAttachment(box BoxInfo, addr netip.Addr) *Attachment {
 		// The request goes out with the Host of its URL, the name the
 		// policy checked: the handlers set the URL, and never a Host of
 		// the box's choosing (domain fronting).
-		Rewrite:   func(pr *httputil.ProxyRequest) { pr.Out.Host = "" },
-		Transport: a.transport,
-		ErrorLog:  slog.NewLogLogger(c.log.Handler(), slog.LevelDebug),
+		Rewrite:        func(pr *httputil.ProxyRequest) { pr.Out.Host = "" },
+		ModifyResponse: scrubResponse,
+		Transport:      a.transport,
+		ErrorLog:       slog.NewLogLogger(c.log.Handler(), slog.LevelDebug),
 		ErrorHandler: func(w http.ResponseWriter, r *http.Request, err error) {
 			writeProxyError(w, err)
 		},
@@ -470,8 +521,8 @@ func (c *core) dial(ctx context.Context, a *Attachment, via, name string, port u
 		refusal.Reason = reasonCut
 		return nil, c.refuse(a, refusal)
 	}
-	if !a.policy.Allows(name, port) {
-		refusal.Reason = "not in the allowlist (allowed: " + a.policy.String() + ")"
+	if p := a.Policy(); !p.Allows(name, port) {
+		refusal.Reason = "not in the allowlist (allowed: " + p.String() + ")"
 		return nil, c.refuse(a, refusal)
 	}
 	ok, blocked, err := c.resolveChecked(ctx, name)

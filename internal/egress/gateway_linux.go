@@ -19,6 +19,7 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"kiln/internal/netnsrun"
 	"kiln/internal/sandbox/boxkit"
 )
 
@@ -26,6 +27,9 @@ import (
 const (
 	gatewayTable = "kiln_gateway"
 	boxTable     = "kiln_egress"
+	// boxVethPrefix names the gateway's end of every box's veth, which
+	// the gateway's firewall matches boxes by.
+	boxVethPrefix = "kb"
 )
 
 // Gateway is kiln's egress gateway: a network namespace of its own, holding
@@ -83,6 +87,9 @@ func NewGateway(opts Options) (_ *Gateway, err error) {
 			g.Close()
 		}
 	}()
+	if opts.Listen.IsValid() {
+		return g, g.listenOn(opts.Listen)
+	}
 	if err := g.makeNamespace(); err != nil {
 		return nil, err
 	}
@@ -91,7 +98,7 @@ func NewGateway(opts Options) (_ *Gateway, err error) {
 	}
 	var udp net.PacketConn
 	var dnsTCP, proxyLn net.Listener
-	err = inNetNS(g.ns, func() error {
+	err = netnsrun.In(g.ns, func() error {
 		var err error
 		gw := g.gwIP.String()
 		if udp, err = net.ListenPacket("udp4", net.JoinHostPort(gw, "53")); err != nil {
@@ -120,7 +127,7 @@ func NewGateway(opts Options) (_ *Gateway, err error) {
 // addresses on loopback, no forwarding, strict reverse-path filtering and
 // no IPv6.
 func (g *Gateway) makeNamespace() error {
-	ns, err := newNetNS()
+	ns, err := netnsrun.New()
 	if err != nil {
 		return err
 	}
@@ -145,7 +152,7 @@ func (g *Gateway) makeNamespace() error {
 	if err := nl.LinkSetUp(lo); err != nil {
 		return fmt.Errorf("bringing up gateway loopback: %w", err)
 	}
-	err = inNetNS(ns, func() error {
+	err = netnsrun.In(ns, func() error {
 		for _, s := range [][2]string{
 			{"net/ipv4/ip_forward", "0"},
 			// Strict reverse-path filtering: a box cannot pass for another
@@ -251,6 +258,24 @@ func (g *Gateway) Close() error {
 // as boxes see it.
 func (g *Gateway) GatewayAddr() netip.Addr { return g.gwIP }
 
+// BoxSetup is what a box under p gets.
+func (g *Gateway) BoxSetup(p Policy) BoxSetup {
+	proxy := proxyURL(g.gwIP.String(), g.opts.ProxyPort)
+	noProxy := "localhost,127.0.0.1,::1"
+	s := BoxSetup{
+		ResolvConf: "# kiln egress gateway: answers only names the policy allows\nnameserver " + g.gwIP.String() + "\noptions attempts:2 timeout:2\n",
+		Env: []string{
+			"HTTP_PROXY=" + proxy, "HTTPS_PROXY=" + proxy, "NO_PROXY=" + noProxy,
+			"http_proxy=" + proxy, "https_proxy=" + proxy, "no_proxy=" + noProxy,
+		},
+	}
+	if env := g.c.sec.envFor(p); len(env) > 0 {
+		s.Env = append(s.Env, env...)
+		s.TrustBundle = g.c.trustBundle()
+	}
+	return s
+}
+
 // Attach wires the box whose process is pid to the gateway with box.Policy.
 // Call it after the box's process has created its network namespace and
 // before the box runs any code. It moves one end of a new veth pair into
@@ -273,6 +298,10 @@ func (g *Gateway) Attach(ctx context.Context, pid int, box BoxInfo) (*Attachment
 
 // attachNS is Attach for a namespace handle, which it takes over.
 func (g *Gateway) attachNS(ctx context.Context, ns netns.NsHandle, box BoxInfo) (_ *Attachment, err error) {
+	if g.opts.Listen.IsValid() {
+		ns.Close()
+		return nil, errListening
+	}
 	idx, addr, err := g.allocate()
 	if err != nil {
 		ns.Close()
@@ -294,7 +323,7 @@ func (g *Gateway) attachNS(ctx context.Context, ns netns.NsHandle, box BoxInfo) 
 	// needs to be unique there; the box's end is created directly in the
 	// box's namespace as eth0.
 	veth := &netlink.Veth{
-		LinkAttrs:     netlink.LinkAttrs{Name: "kb" + strconv.Itoa(idx)},
+		LinkAttrs:     netlink.LinkAttrs{Name: boxVethPrefix + strconv.Itoa(idx)},
 		PeerName:      "eth0",
 		PeerNamespace: netlink.NsFd(int(ns)),
 	}
@@ -336,18 +365,22 @@ func (g *Gateway) attachNS(ctx context.Context, ns netns.NsHandle, box BoxInfo) 
 		return nil, err
 	}
 
-	a.resolvConf = "# kiln egress gateway: answers only names the policy allows\nnameserver " + g.gwIP.String() + "\noptions attempts:2 timeout:2\n"
-	proxy := proxyURL(g.gwIP.String(), g.opts.ProxyPort)
-	noProxy := "localhost,127.0.0.1,::1"
-	a.env = []string{
-		"HTTP_PROXY=" + proxy, "HTTPS_PROXY=" + proxy, "NO_PROXY=" + noProxy,
-		"http_proxy=" + proxy, "https_proxy=" + proxy, "no_proxy=" + noProxy,
+	if err := g.enlist(a, box); err != nil {
+		return nil, err
 	}
+	return a, nil
+}
 
+// enlist gives a, a new attachment of box's at its address, what the box
+// must be given, and registers it: from now on the gateway serves what
+// comes from that address under box's policy, until a closes.
+func (g *Gateway) enlist(a *Attachment, box BoxInfo) error {
+	setup := g.BoxSetup(box.Policy)
+	a.resolvConf, a.env, a.hasSecrets = setup.ResolvConf, setup.Env, setup.TrustBundle != nil
 	g.mu.Lock()
 	if g.closed {
 		g.mu.Unlock()
-		return nil, ErrClosed
+		return ErrClosed
 	}
 	g.attached[a] = struct{}{}
 	g.mu.Unlock()
@@ -359,8 +392,8 @@ func (g *Gateway) attachNS(ctx context.Context, ns netns.NsHandle, box BoxInfo) 
 	})
 	g.c.register(a)
 	a.onClose(func() error { g.c.unregister(a); return nil })
-	g.c.log.Info("egress attached", "session", box.Session, "addr", addr.String(), "policy", box.Policy.String())
-	return a, nil
+	g.c.log.Info("egress attached", "session", box.Session, "addr", a.addr.String(), "policy", box.Policy.String())
+	return nil
 }
 
 // configureBox addresses the box's eth0 and routes everything through the
@@ -383,7 +416,7 @@ func (g *Gateway) configureBox(ns netns.NsHandle, addr netip.Addr) error {
 	if err != nil {
 		return fmt.Errorf("finding box eth0: %w", err)
 	}
-	if err := inNetNS(ns, func() error { return writeSysctl("net/ipv6/conf/eth0/disable_ipv6", "1") }); err != nil {
+	if err := netnsrun.In(ns, func() error { return writeSysctl("net/ipv6/conf/eth0/disable_ipv6", "1") }); err != nil {
 		return fmt.Errorf("configuring box namespace: %w", err)
 	}
 	if err := h.AddrAdd(eth, &netlink.Addr{IPNet: hostNet(addr)}); err != nil {
@@ -442,7 +475,7 @@ func (g *Gateway) listenTransparent(ports []uint16) error {
 			continue
 		}
 		var ln net.Listener
-		err := inNetNS(g.ns, func() error {
+		err := netnsrun.In(g.ns, func() error {
 			var err error
 			ln, err = net.Listen("tcp4", net.JoinHostPort(g.transIP.String(), strconv.Itoa(int(p))))
 			return err

@@ -3,23 +3,11 @@
 package egress
 
 import (
-	"archive/zip"
 	"bytes"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/sha256"
-	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/base64"
-	"encoding/hex"
-	"encoding/pem"
 	"fmt"
 	"io"
 	"log/slog"
-	"math/big"
 	"net"
 	"net/http"
 	"net/netip"
@@ -32,39 +20,35 @@ import (
 	"testing"
 	"time"
 
+	"kiln/internal/egress/egresstest"
+	"kiln/internal/netnsrun"
+
 	"github.com/miekg/dns"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 )
 
-// The tests build a small local "internet" and never send a packet off
-// this machine:
+// The tests reach a small local internet (egresstest) through the
+// gateway and never send a packet off this machine:
 //
 //	host netns (the test process, where the gateway dials from)
-//	  └─ veth kw<id> 10.77.K.1/24 ── web netns: 10.77.K.2 (web.test, pypi.test: HTTP, HTTPS, UDP echo)
-//	                                            10.77.K.3 (internal.test: HTTP, a private host)
+//	  └─ veth ── web netns (egresstest.Internet: web.test, pypi.test, internal.test, the upstream DNS)
 //	gateway netns (the Gateway's own) ── veth ── box netns (ip netns add; stands in for the jail's box)
 //
-// The gateway resolves names through Options.Hosts; only 10.77.K.2 is in
-// Options.TestOnlyAllowedAddrs, so 10.77.K.3 (private) is refused like any
-// other internal address. The box's own /etc/hosts (ip netns exec
-// bind-mounts /etc/netns/<box>/hosts) maps web.test to 10.77.K.3, which must
-// make no difference.
+// The gateway resolves names through Options.Hosts; only the web host is
+// in Options.TestOnlyAllowedAddrs, so the private host is refused like
+// any other internal address. The box's own /etc/hosts (ip netns exec
+// bind-mounts /etc/netns/<box>/hosts) maps web.test to the private host,
+// which must make no difference.
 
 var worldSeq atomic.Int32
 
 type world struct {
-	t        *testing.T
-	id       string
-	webAddr  netip.Addr // 10.77.K.2
-	intAddr  netip.Addr // 10.77.K.3
-	gw       *Gateway
-	logs     *syncBuffer
-	caFile   string
-	python   string
-	udpHits  atomic.Int32
-	udpEcho  netip.AddrPort
-	wheelSHA string
+	*egresstest.Internet
+	t      *testing.T
+	gw     *Gateway
+	logs   *syncBuffer
+	python string
 }
 
 type syncBuffer struct {
@@ -87,42 +71,12 @@ func (s *syncBuffer) String() string {
 // requireNetNS skips the test unless it can build network namespaces.
 func requireNetNS(t *testing.T) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("skipping: needs root to create network namespaces, veth pairs and nftables rules")
-	}
-	for _, tool := range []string{"ip", "curl", "python3"} {
+	egresstest.Need(t)
+	for _, tool := range []string{"curl", "python3"} {
 		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("skipping: %s not found (install iproute2, curl and python3)", tool)
+			t.Skipf("skipping: %s not found (install curl and python3)", tool)
 		}
 	}
-	ns, err := newNetNS()
-	if err != nil {
-		t.Skipf("skipping: cannot create a network namespace: %v", err)
-	}
-	ns.Close()
-	if err := exec.Command("ip", "netns", "list").Run(); err != nil {
-		t.Skipf("skipping: ip netns does not work: %v", err)
-	}
-}
-
-func run(t *testing.T, name string, args ...string) {
-	t.Helper()
-	if out, err := exec.Command(name, args...).CombinedOutput(); err != nil {
-		t.Fatalf("%s %s: %v\n%s", name, strings.Join(args, " "), err, out)
-	}
-}
-
-// namedNS creates a named network namespace, removed when the test ends.
-func namedNS(t *testing.T, name string) netns.NsHandle {
-	t.Helper()
-	run(t, "ip", "netns", "add", name)
-	t.Cleanup(func() { exec.Command("ip", "netns", "del", name).Run() })
-	ns, err := netns.GetFromName(name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ns.Close() })
-	return ns
 }
 
 // newWorld builds the local internet and a gateway; tune adjusts the
@@ -130,70 +84,24 @@ func namedNS(t *testing.T, name string) netns.NsHandle {
 func newWorld(t *testing.T, tune ...func(*Options)) *world {
 	t.Helper()
 	requireNetNS(t)
-	k := 20 + (os.Getpid()+int(worldSeq.Add(1)))%200
-	w := &world{
-		t:       t,
-		id:      fmt.Sprintf("%d%d", os.Getpid()%10000, worldSeq.Load()),
-		webAddr: netip.AddrFrom4([4]byte{10, 77, byte(k), 2}),
-		intAddr: netip.AddrFrom4([4]byte{10, 77, byte(k), 3}),
-		logs:    &syncBuffer{},
-	}
+	w := &world{Internet: egresstest.New(t), t: t, logs: &syncBuffer{}}
 	out, err := exec.Command("python3", "-c", "import sys; print(sys.executable)").Output()
 	if err != nil {
 		t.Skipf("skipping: python3 does not run: %v", err)
 	}
 	w.python = strings.TrimSpace(string(out))
-
-	// The web host and the veth that links it to the host namespace.
-	webNS := namedNS(t, "kt"+w.id+"-web")
-	hostIf := "kw" + w.id
-	veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: hostIf}, PeerName: "eth0", PeerNamespace: netlink.NsFd(int(webNS))}
-	if err := netlink.LinkAdd(veth); err != nil {
-		t.Fatalf("creating web veth: %v", err)
-	}
-	t.Cleanup(func() { netlink.LinkDel(veth) })
-	hostAddr := netip.AddrFrom4([4]byte{10, 77, byte(k), 1})
-	if err := netlink.AddrAdd(veth, &netlink.Addr{IPNet: &net.IPNet{IP: hostAddr.AsSlice(), Mask: net.CIDRMask(24, 32)}}); err != nil {
-		t.Fatal(err)
-	}
-	if err := netlink.LinkSetUp(veth); err != nil {
-		t.Fatal(err)
-	}
-	h, err := netlink.NewHandleAt(webNS)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.Close()
-	for _, name := range []string{"lo", "eth0"} {
-		l, err := h.LinkByName(name)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if name == "eth0" {
-			for _, a := range []netip.Addr{w.webAddr, w.intAddr} {
-				if err := h.AddrAdd(l, &netlink.Addr{IPNet: &net.IPNet{IP: a.AsSlice(), Mask: net.CIDRMask(24, 32)}}); err != nil {
-					t.Fatal(err)
-				}
-			}
-		}
-		if err := h.LinkSetUp(l); err != nil {
-			t.Fatal(err)
-		}
-	}
-	w.serve(webNS)
-
-	hostsFile := filepath.Join(t.TempDir(), "hosts")
-	os.WriteFile(hostsFile, []byte(fmt.Sprintf("# the gateway's view\n%s web.test pypi.test other.test\n", w.webAddr)), 0o644)
 	opts := Options{
-		Logger:    slog.New(slog.NewJSONHandler(io.MultiWriter(w.logs, tWriter{t}), nil)),
-		HostsFile: hostsFile,
-		Hosts: map[string][]netip.Addr{
-			"internal.test": {w.intAddr},
-			"meta.test":     {netip.MustParseAddr("169.254.169.254")},
-			"loop.test":     {netip.MustParseAddr("127.0.0.1")},
-			"rebind.test":   {netip.MustParseAddr("169.254.169.254"), netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("::1")},
-		},
-		TestOnlyAllowedAddrs: []netip.Prefix{netip.PrefixFrom(w.webAddr, 32)},
+		Logger:               slog.New(slog.NewJSONHandler(io.MultiWriter(w.logs, tWriter{t}), nil)),
+		HostsFile:            w.HostsFile,
+		Hosts:                w.Hosts,
+		TestOnlyAllowedAddrs: w.Allowed(),
+		// Names in neither go to the upstream resolver in the web
+		// namespace, never to the host's: the tests see every query
+		// that leaves the host.
+		Resolver: w.Upstream.Resolver(),
+		// The web host's certificates, for the TLS the gateway makes
+		// itself to a secret's host.
+		UpstreamRoots: w.Roots(),
 	}
 	for _, f := range tune {
 		f(&opts)
@@ -218,127 +126,6 @@ func (w tWriter) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
-// serve starts the web host's servers inside webNS.
-func (w *world) serve(webNS netns.NsHandle) {
-	t := w.t
-	cert := w.selfSigned("web.test", "pypi.test", "other.test", "meta.test")
-	wheelName, wheel := buildWheel(t)
-	sum := sha256.Sum256(wheel)
-	w.wheelSHA = hex.EncodeToString(sum[:])
-	mux := http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
-		host, _, err := net.SplitHostPort(r.Host)
-		if err != nil {
-			host = r.Host
-		}
-		switch {
-		case host == "pypi.test" && r.URL.Path == "/simple/kilnprobe/":
-			fmt.Fprintf(rw, "<!DOCTYPE html><html><body><a href=\"/packages/%s#sha256=%s\">%s</a></body></html>\n", wheelName, w.wheelSHA, wheelName)
-		case host == "pypi.test" && r.URL.Path == "/packages/"+wheelName:
-			rw.Header().Set("Content-Type", "application/octet-stream")
-			rw.Write(wheel)
-		case host == "pypi.test":
-			http.NotFound(rw, r)
-		default:
-			fmt.Fprintf(rw, "web:%s%s", host, r.URL.Path)
-		}
-	})
-	internal := http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) { fmt.Fprint(rw, "internal") })
-
-	var lns []net.Listener
-	var udp net.PacketConn
-	err := inNetNS(webNS, func() error {
-		for _, addr := range []string{w.webAddr.String() + ":80", w.webAddr.String() + ":443", w.intAddr.String() + ":80"} {
-			ln, err := net.Listen("tcp4", addr)
-			if err != nil {
-				return err
-			}
-			lns = append(lns, ln)
-		}
-		var err error
-		udp, err = net.ListenPacket("udp4", w.webAddr.String()+":5353")
-		return err
-	})
-	if err != nil {
-		t.Fatalf("listening in web namespace: %v", err)
-	}
-	servers := []*http.Server{{Handler: mux}, {Handler: mux, TLSConfig: &tls.Config{Certificates: []tls.Certificate{cert}}}, {Handler: internal}}
-	for i, srv := range servers {
-		ln := lns[i]
-		if i == 1 {
-			ln = tls.NewListener(ln, srv.TLSConfig)
-		}
-		go srv.Serve(ln)
-		t.Cleanup(func() { srv.Close() })
-	}
-	w.udpEcho = udp.LocalAddr().(*net.UDPAddr).AddrPort()
-	go func() {
-		buf := make([]byte, 1500)
-		for {
-			n, from, err := udp.ReadFrom(buf)
-			if err != nil {
-				return
-			}
-			w.udpHits.Add(1)
-			udp.WriteTo(buf[:n], from)
-		}
-	}()
-	t.Cleanup(func() { udp.Close() })
-}
-
-func (w *world) selfSigned(names ...string) tls.Certificate {
-	t := w.t
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber:          big.NewInt(1),
-		Subject:               pkix.Name{CommonName: names[0]},
-		DNSNames:              names,
-		NotBefore:             time.Now().Add(-time.Hour),
-		NotAfter:              time.Now().Add(24 * time.Hour),
-		IsCA:                  true,
-		BasicConstraintsValid: true,
-		KeyUsage:              x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
-		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	w.caFile = filepath.Join(t.TempDir(), "ca.pem")
-	os.WriteFile(w.caFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o644)
-	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
-}
-
-// buildWheel makes a tiny pure-Python wheel, kilnprobe 0.1.
-func buildWheel(t *testing.T) (string, []byte) {
-	files := []struct{ name, body string }{
-		{"kilnprobe/__init__.py", "VALUE = 'kiln-probe-ok'\n"},
-		{"kilnprobe-0.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: kilnprobe\nVersion: 0.1\n"},
-		{"kilnprobe-0.1.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: kiln-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"},
-	}
-	var buf bytes.Buffer
-	zw := zip.NewWriter(&buf)
-	var record strings.Builder
-	for _, f := range files {
-		fw, err := zw.Create(f.name)
-		if err != nil {
-			t.Fatal(err)
-		}
-		io.WriteString(fw, f.body)
-		sum := sha256.Sum256([]byte(f.body))
-		fmt.Fprintf(&record, "%s,sha256=%s,%d\n", f.name, base64.RawURLEncoding.EncodeToString(sum[:]), len(f.body))
-	}
-	record.WriteString("kilnprobe-0.1.dist-info/RECORD,,\n")
-	fw, _ := zw.Create("kilnprobe-0.1.dist-info/RECORD")
-	io.WriteString(fw, record.String())
-	if err := zw.Close(); err != nil {
-		t.Fatal(err)
-	}
-	return "kilnprobe-0.1-py3-none-any.whl", buf.Bytes()
-}
-
 // box is a stand-in for a jail box: a named network namespace with a
 // process in it, and /etc/netns/<name>/ files that ip netns exec mounts
 // over the box's /etc.
@@ -352,8 +139,8 @@ type box struct {
 
 func (w *world) newBox(t *testing.T, session string, policy ...string) *box {
 	t.Helper()
-	name := fmt.Sprintf("kt%s-box%d", w.id, worldSeq.Add(1))
-	b := &box{w: w, name: name, ns: namedNS(t, name)}
+	name := fmt.Sprintf("kt%s-box%d", w.ID, worldSeq.Add(1))
+	b := &box{w: w, name: name, ns: egresstest.NamedNS(t, name)}
 	etc := filepath.Join("/etc/netns", name)
 	if err := os.MkdirAll(etc, 0o755); err != nil {
 		t.Fatal(err)
@@ -361,7 +148,7 @@ func (w *world) newBox(t *testing.T, session string, policy ...string) *box {
 	t.Cleanup(func() { os.RemoveAll(etc) })
 	// Inside the box, web.test "is" the internal host. The gateway must
 	// not care.
-	hosts := fmt.Sprintf("127.0.0.1 localhost\n::1 localhost\n%s web.test\n", w.intAddr)
+	hosts := fmt.Sprintf("127.0.0.1 localhost\n::1 localhost\n%s web.test\n", w.IntAddr)
 	os.WriteFile(filepath.Join(etc, "hosts"), []byte(hosts), 0o644)
 
 	sleeper := exec.Command("ip", "netns", "exec", name, "sleep", "3600")
@@ -426,7 +213,7 @@ except Exception as e:
 // fetch fetches url with Python's urllib inside the box.
 func (b *box) fetch(t *testing.T, env []string, url string) string {
 	t.Helper()
-	out, err := b.exec(t, env, b.w.python, "-c", fetchPy, url, b.w.caFile)
+	out, err := b.exec(t, env, b.w.python, "-c", fetchPy, url, b.w.CAFile)
 	if err != nil {
 		t.Fatalf("running python in box: %v", err)
 	}
@@ -436,7 +223,7 @@ func (b *box) fetch(t *testing.T, env []string, url string) string {
 // curl runs curl in the box and returns its output and exit code.
 func (b *box) curl(t *testing.T, env []string, args ...string) (string, int) {
 	t.Helper()
-	out, err := b.exec(t, env, "curl", append([]string{"-sS", "--max-time", "20", "--cacert", b.w.caFile}, args...)...)
+	out, err := b.exec(t, env, "curl", append([]string{"-sS", "--max-time", "20", "--cacert", b.w.CAFile}, args...)...)
 	if ee, ok := err.(*exec.ExitError); ok {
 		return out, ee.ExitCode()
 	} else if err != nil {
@@ -451,7 +238,7 @@ func (b *box) query(t *testing.T, server netip.Addr, network, name string, qtype
 	m := new(dns.Msg)
 	m.SetQuestion(dns.Fqdn(name), qtype)
 	var resp *dns.Msg
-	err := inNetNS(b.ns, func() error {
+	err := netnsrun.In(b.ns, func() error {
 		c := &dns.Client{Net: network, Timeout: 3 * time.Second}
 		var err error
 		resp, _, err = c.Exchange(m, net.JoinHostPort(server.String(), "53"))
@@ -502,7 +289,7 @@ func TestDefaultDeny(t *testing.T) {
 	}
 	wantPrefix(t, b.fetch(t, nil, "http://web.test/"), "ERR") // /etc/hosts says 10.77.K.3, unreachable
 	wantPrefix(t, b.fetch(t, nil, "http://pypi.test/"), "ERR")
-	wantPrefix(t, b.fetch(t, nil, "http://"+w.webAddr.String()+"/"), "ERR")
+	wantPrefix(t, b.fetch(t, nil, "http://"+w.WebAddr.String()+"/"), "ERR")
 	if _, err := b.query(t, w.gw.GatewayAddr(), "udp", "web.test", dns.TypeA); err == nil {
 		t.Error("DNS answered in a box with an empty policy")
 	}
@@ -551,7 +338,7 @@ func TestAllowedTransparent(t *testing.T) {
 		t.Errorf("refusals for allowed traffic: %v", r)
 	}
 	logs := w.logs.String()
-	for _, want := range []string{`"session":"s-web"`, `"via":"tls"`, `"via":"http"`, `"name":"web.test"`, `"addr":"` + w.webAddr.String() + `"`, `"verdict":"allow"`} {
+	for _, want := range []string{`"session":"s-web"`, `"via":"tls"`, `"via":"http"`, `"name":"web.test"`, `"addr":"` + w.WebAddr.String() + `"`, `"verdict":"allow"`} {
 		wantContains(t, logs, want)
 	}
 }
@@ -563,9 +350,9 @@ func TestRefusedNames(t *testing.T) {
 	// A name outside the allowlist: DNS refuses it, and a connection
 	// that names it anyway (curl --resolve skips DNS) is refused.
 	wantPrefix(t, b.fetch(t, nil, "http://other.test/"), "ERR")
-	out, _ := b.curl(t, nil, "--resolve", "other.test:80:"+w.webAddr.String(), "http://other.test/")
+	out, _ := b.curl(t, nil, "--resolve", "other.test:80:"+w.WebAddr.String(), "http://other.test/")
 	wantContains(t, out, "connection to other.test:80 refused by policy: not in the allowlist")
-	_, code := b.curl(t, nil, "--resolve", "other.test:443:"+w.webAddr.String(), "https://other.test/")
+	_, code := b.curl(t, nil, "--resolve", "other.test:443:"+w.WebAddr.String(), "https://other.test/")
 	if code == 0 {
 		t.Error("https to a name outside the allowlist succeeded")
 	}
@@ -574,13 +361,13 @@ func TestRefusedNames(t *testing.T) {
 	for _, tt := range []struct{ name, addr, why string }{
 		{"meta.test", "169.254.169.254", "link-local"},
 		{"loop.test", "127.0.0.1", "loopback"},
-		{"internal.test", w.intAddr.String(), "private"},
+		{"internal.test", w.IntAddr.String(), "private"},
 		{"rebind.test", "169.254.169.254", "link-local"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			out, _ := b.curl(t, nil, "--resolve", tt.name+":80:"+w.webAddr.String(), "http://"+tt.name+"/")
+			out, _ := b.curl(t, nil, "--resolve", tt.name+":80:"+w.WebAddr.String(), "http://"+tt.name+"/")
 			wantContains(t, out, "connection to "+tt.name+":80 refused by policy: "+tt.name+" resolves only to blocked addresses ("+tt.addr+" is "+tt.why)
-			_, code := b.curl(t, nil, "--resolve", tt.name+":443:"+w.webAddr.String(), "https://"+tt.name+"/")
+			_, code := b.curl(t, nil, "--resolve", tt.name+":443:"+w.WebAddr.String(), "https://"+tt.name+"/")
 			if code == 0 {
 				t.Error("https succeeded")
 			}
@@ -592,7 +379,7 @@ func TestRefusedNames(t *testing.T) {
 		})
 	}
 	// The internal host really is up: the refusal is policy, not luck.
-	resp, err := http.Get("http://" + w.intAddr.String() + "/")
+	resp, err := http.Get("http://" + w.IntAddr.String() + "/")
 	if err != nil {
 		t.Fatalf("internal host not reachable from the host: %v", err)
 	}
@@ -607,10 +394,31 @@ func TestRefusedNames(t *testing.T) {
 	}
 }
 
+// TestDirectIPAndRawTraffic runs twice: with the box's own firewall, and
+// without it, as for a box whose traffic never meets its namespace's
+// netfilter (gVisor's netstack sends raw frames) or one that removed it:
+// the gateway's own rules must then hold the box alone.
 func TestDirectIPAndRawTraffic(t *testing.T) {
-	w := newWorld(t)
-	b := w.newBox(t, "s-raw", "web.test")
-	web := w.webAddr.String()
+	for _, own := range []bool{true, false} {
+		t.Run(map[bool]string{true: "box firewall", false: "gateway alone"}[own], func(t *testing.T) {
+			w := newWorld(t)
+			b := w.newBox(t, "s-raw", "web.test")
+			if !own {
+				if out, err := b.exec(t, nil, "nft", "delete", "table", "inet", boxTable); err != nil {
+					t.Fatalf("removing the box's firewall: %v %s", err, out)
+				}
+				// Transparent HTTP still reaches the allowed name, through
+				// the gateway's DNAT, whatever address the box dialed.
+				out, _ := b.curl(t, nil, "--resolve", "web.test:80:192.0.2.9", "http://web.test/direct")
+				wantPrefix(t, out, "web:web.test/direct")
+			}
+			directIPAndRawTraffic(t, w, b)
+		})
+	}
+}
+
+func directIPAndRawTraffic(t *testing.T, w *world, b *box) {
+	web := w.WebAddr.String()
 
 	out, _ := b.curl(t, nil, "http://"+web+"/")
 	wantContains(t, out, "refused by policy: connecting by IP address is not allowed")
@@ -620,7 +428,8 @@ func TestDirectIPAndRawTraffic(t *testing.T) {
 	}
 	refusalsContain(t, b.att, "connection to "+web+":80 refused", "connection to port 443 refused by policy: cannot read the destination host name")
 
-	// TCP to a port outside the policy is reset by the box's firewall.
+	// TCP to a port outside the policy is reset (by the box's firewall,
+	// or the gateway's).
 	_, code = b.curl(t, nil, "http://web.test:8080/")
 	if code != 7 { // couldn't connect
 		t.Errorf("curl to port 8080: exit %d, want 7 (connection refused)", code)
@@ -653,7 +462,7 @@ try:
         if data[20] == 0: print("ICMP-REPLY"); break
 except OSError as e:
     print("ICMP-BLOCKED", e)
-`, web, w.udpEcho.Port(), web)
+`, web, w.UDPEcho.Port(), web)
 	out, err := b.exec(t, nil, w.python, "-c", probe)
 	if err != nil {
 		t.Fatal(err)
@@ -661,7 +470,7 @@ except OSError as e:
 	for _, want := range []string{"UDP-BLOCKED", "UDP-GW-BLOCKED", "ICMP-BLOCKED"} {
 		wantContains(t, out, want)
 	}
-	if n := w.udpHits.Load(); n != 0 {
+	if n := w.UDPHits.Load(); n != 0 {
 		t.Errorf("UDP echo server got %d packets from the box", n)
 	}
 }
@@ -676,7 +485,7 @@ func TestDNS(t *testing.T) {
 			if err != nil || resp.Rcode != dns.RcodeSuccess || len(resp.Answer) != 1 {
 				t.Fatalf("A web.test: %v %v", resp, err)
 			}
-			if a := resp.Answer[0].(*dns.A).A.String(); a != w.webAddr.String() {
+			if a := resp.Answer[0].(*dns.A).A.String(); a != w.WebAddr.String() {
 				t.Errorf("web.test A = %s", a)
 			}
 			resp, err = b.query(t, gw, network, "web.test", dns.TypeAAAA)
@@ -699,7 +508,7 @@ func TestDNS(t *testing.T) {
 	}
 	refusalsContain(t, b.att, "DNS lookup of other.test refused by policy", "DNS lookup of exfil-6b696c6e.attacker.example refused")
 	// DNS to any other server is blocked by the box's firewall.
-	if _, err := b.query(t, w.webAddr, "udp", "web.test", dns.TypeA); err == nil {
+	if _, err := b.query(t, w.WebAddr, "udp", "web.test", dns.TypeA); err == nil {
 		t.Error("DNS to a server other than the gateway got an answer")
 	}
 }
@@ -715,9 +524,9 @@ func TestProxyEnv(t *testing.T) {
 	wantContains(t, out, "connection to other.test:80 refused by policy")
 	out, _ = b.curl(t, env, "-v", "https://meta.test/")
 	wantContains(t, out, "403")
-	out, _ = b.curl(t, env, "http://"+w.webAddr.String()+"/")
+	out, _ = b.curl(t, env, "http://"+w.WebAddr.String()+"/")
 	wantContains(t, out, "connecting by IP address is not allowed")
-	refusalsContain(t, b.att, "other.test:80 refused", "meta.test:443 refused", w.webAddr.String()+":80 refused")
+	refusalsContain(t, b.att, "other.test:80 refused", "meta.test:443 refused", w.WebAddr.String()+":80 refused")
 	wantContains(t, w.logs.String(), `"via":"connect"`)
 	wantContains(t, w.logs.String(), `"via":"proxy"`)
 }
@@ -727,7 +536,7 @@ func TestPipInstall(t *testing.T) {
 	b := w.newBox(t, "s-pip", "pypi.test")
 	pip := []string{"-m", "pip", "--isolated", "--disable-pip-version-check", "--no-cache-dir", "--retries", "0", "--timeout", "20"}
 	index := []string{"--index-url", "http://pypi.test/simple/", "--trusted-host", "pypi.test"}
-	tlsIndex := []string{"--index-url", "https://pypi.test/simple/", "--cert", w.caFile}
+	tlsIndex := []string{"--index-url", "https://pypi.test/simple/", "--cert", w.CAFile}
 
 	// Plain HTTP, transparent: no proxy settings at all.
 	dl := t.TempDir()
@@ -768,7 +577,7 @@ func TestManyBoxesAndClose(t *testing.T) {
 	for i, b := range boxes {
 		wg.Go(func() {
 			out1, _ := b.curl(t, nil, "http://web.test/x")
-			out2, _ := b.curl(t, nil, "--resolve", "pypi.test:80:"+w.webAddr.String(), "http://pypi.test/simple/kilnprobe/")
+			out2, _ := b.curl(t, nil, "--resolve", "pypi.test:80:"+w.WebAddr.String(), "http://pypi.test/simple/kilnprobe/")
 			results[i] = [2]string{out1, out2}
 		})
 	}
@@ -830,7 +639,7 @@ func TestBoxCannotSpoofAnotherBox(t *testing.T) {
 	// The attacker's own policy refuses pypi.test. (This also settles the
 	// attacker's neighbour entry for the gateway: an ARP request sent
 	// from the spoofed address gets no answer either.)
-	out0, _ := attacker.curl(t, nil, "--resolve", "pypi.test:80:"+w.webAddr.String(), "http://pypi.test/simple/kilnprobe/")
+	out0, _ := attacker.curl(t, nil, "--resolve", "pypi.test:80:"+w.WebAddr.String(), "http://pypi.test/simple/kilnprobe/")
 	wantContains(t, out0, "refused by policy")
 	// Give the attacker the victim's address too and send from it.
 	h, err := netlink.NewHandleAt(attacker.ns)
@@ -846,7 +655,7 @@ func TestBoxCannotSpoofAnotherBox(t *testing.T) {
 		t.Fatal(err)
 	}
 	out, code := attacker.curl(t, nil, "--interface", victim.att.Addr().String(), "--connect-timeout", "3",
-		"--resolve", "pypi.test:80:"+w.webAddr.String(), "http://pypi.test/simple/kilnprobe/")
+		"--resolve", "pypi.test:80:"+w.WebAddr.String(), "http://pypi.test/simple/kilnprobe/")
 	if strings.Contains(out, "kilnprobe") || code == 0 {
 		t.Errorf("attacker reached pypi.test with the victim's address: %d %q", code, out)
 	}
@@ -857,7 +666,7 @@ func TestBoxCannotSpoofAnotherBox(t *testing.T) {
 	if err := h.AddrDel(eth, &netlink.Addr{IPNet: hostNet(victim.att.Addr())}); err != nil {
 		t.Fatal(err)
 	}
-	out, _ = attacker.curl(t, nil, "--resolve", "pypi.test:80:"+w.webAddr.String(), "http://pypi.test/simple/kilnprobe/")
+	out, _ = attacker.curl(t, nil, "--resolve", "pypi.test:80:"+w.WebAddr.String(), "http://pypi.test/simple/kilnprobe/")
 	wantContains(t, out, "refused by policy")
 }
 
@@ -875,7 +684,7 @@ func BenchmarkAttach(b *testing.B) {
 	policy := MustParsePolicy("pypi.org", "*.pythonhosted.org")
 	var attach, detach time.Duration
 	for b.Loop() {
-		ns, err := newNetNS()
+		ns, err := netnsrun.New()
 		if err != nil {
 			b.Fatal(err)
 		}

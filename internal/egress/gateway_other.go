@@ -28,3 +28,21 @@ func (g *Gateway) Attach(ctx context.Context, pid int, box BoxInfo) (*Attachment
 	}
 	return nil, ErrUnsupported
 }
+
+// AttachAddr returns ErrUnsupported on this OS, except for an empty
+// policy.
+func (g *Gateway) AttachAddr(addr netip.Addr, box BoxInfo) (*Attachment, error) {
+	if box.Policy.Empty() {
+		return &Attachment{session: box.Session}, nil
+	}
+	return nil, ErrUnsupported
+}
+
+// Listening reports false on this OS.
+func (g *Gateway) Listening() bool { return false }
+
+// ProxyPort returns 0 on this OS.
+func (g *Gateway) ProxyPort() uint16 { return 0 }
+
+// BoxSetup is empty on this OS.
+func (g *Gateway) BoxSetup(p Policy) BoxSetup { return BoxSetup{} }

@@ -57,6 +57,15 @@ func ifname(key expr.MetaKey, name string) []expr.Any {
 	}
 }
 
+// ifnamePrefix matches an interface whose name starts with prefix (nft's
+// "kb*": the comparison covers only the prefix's bytes).
+func ifnamePrefix(key expr.MetaKey, prefix string) []expr.Any {
+	return []expr.Any{
+		&expr.Meta{Key: key, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte(prefix)},
+	}
+}
+
 func ctEstablishedOrRelated() []expr.Any {
 	return []expr.Any{
 		&expr.Ct{Register: 1, Key: expr.CtKeySTATE},
@@ -146,9 +155,25 @@ func deleteTable(ns netns.NsHandle, name string) error {
 
 // gatewayChains is the firewall of the gateway's own namespace: boxes may
 // reach only the DNS responder, the proxy and the transparent listeners;
-// nothing is forwarded; the gateway sends nothing but replies.
+// nothing is forwarded; the gateway sends nothing but replies. It holds a
+// box by itself, without the box's own firewall (boxChains), which a box
+// whose packets never meet its namespace's netfilter (gVisor's netstack
+// writes raw frames to its veth) does not have in effect: TCP from a box
+// to any address but the gateway's is redirected to the transparent
+// listener on the same port, as the box's firewall would, other TCP is
+// reset and everything else rejected.
 func gatewayChains(gw, trans netip.Addr, proxyPort uint16) []chainSpec {
+	fromBox := func() []expr.Any { return ifnamePrefix(expr.MetaKeyIIFNAME, boxVethPrefix) }
 	return []chainSpec{
+		{
+			name: "nat_prerouting", typ: nftables.ChainTypeNAT, hook: nftables.ChainHookPrerouting,
+			priority: nftables.ChainPriorityNATDest, policy: nftables.ChainPolicyAccept,
+			rules: [][]expr.Any{
+				nftRule(fromBox(), ipv4(), ipDaddr(gw), accept()),
+				nftRule(fromBox(), ipv4(), ipDaddr(trans), accept()),
+				nftRule(fromBox(), ipv4(), l4proto(unix.IPPROTO_TCP), dnatTo(trans)),
+			},
+		},
 		{
 			name: "input", typ: nftables.ChainTypeFilter, hook: nftables.ChainHookInput,
 			priority: nftables.ChainPriorityFilter, policy: nftables.ChainPolicyDrop,
@@ -159,6 +184,8 @@ func gatewayChains(gw, trans netip.Addr, proxyPort uint16) []chainSpec {
 				nftRule(ipv4(), ipDaddr(gw), l4proto(unix.IPPROTO_TCP), dport(53), accept()),
 				nftRule(ipv4(), ipDaddr(gw), l4proto(unix.IPPROTO_TCP), dport(proxyPort), accept()),
 				nftRule(ipv4(), ipDaddr(trans), l4proto(unix.IPPROTO_TCP), accept()),
+				nftRule(fromBox(), l4proto(unix.IPPROTO_TCP), rejectTCPReset()),
+				nftRule(fromBox(), rejectAdminProhibited()),
 			},
 		},
 		{

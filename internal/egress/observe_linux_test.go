@@ -42,7 +42,7 @@ func TestObserveVerdicts(t *testing.T) {
 	b := w.newBox(t, "s-obs", "web.test")
 
 	wantPrefix(t, b.fetch(t, nil, "http://web.test/seen"), "OK 200 web:web.test/seen")
-	out, _ := b.curl(t, nil, "--resolve", "other.test:80:"+w.webAddr.String(), "http://other.test/")
+	out, _ := b.curl(t, nil, "--resolve", "other.test:80:"+w.WebAddr.String(), "http://other.test/")
 	wantContains(t, out, "refused by policy")
 	b.query(t, w.gw.GatewayAddr(), "udp", "web.test", dns.TypeA)
 	b.query(t, w.gw.GatewayAddr(), "udp", "other.test", dns.TypeA)

@@ -39,7 +39,12 @@ func (c *core) serveTransparent(ctx context.Context, conn *boxConn, port uint16)
 		c.http.push(&httpConn{boxConn: conn, r: unbuffered(br, conn), info: connInfo{via: "http", port: port}})
 		return
 	}
-	defer conn.Close()
+	handedOff := false // to the HTTP server, which closes it
+	defer func() {
+		if !handedOff {
+			conn.Close()
+		}
+	}()
 	name, err := sniffTLS(br)
 	if errors.Is(err, errNoSNI) {
 		err = errors.New("the TLS ClientHello names no server (SNI); connect by an allowed host name, not an IP address")
@@ -51,6 +56,11 @@ func (c *core) serveTransparent(ctx context.Context, conn *boxConn, port uint16)
 		return
 	}
 	conn.SetReadDeadline(time.Time{})
+	if c.intercepts(a, name, port) {
+		handedOff = true
+		c.intercept(conn, unbuffered(br, conn), "tls", name, port)
+		return
+	}
 
 	up, err := c.dial(ctx, a, "tls", name, port)
 	if err != nil {
@@ -109,7 +119,8 @@ func closeWrite(c net.Conn) {
 type connInfo struct {
 	via  string // "http" (transparent) or "connect"
 	port uint16 // the destination port: the one the box dialed, or the CONNECT's
-	name string // for a CONNECT tunnel, the name it was opened to
+	name string // for a CONNECT tunnel or intercepted TLS, the name it was opened to
+	tls  bool   // the box's TLS, terminated by the gateway: its requests go out over TLS
 }
 
 type (
@@ -129,7 +140,10 @@ func (h *httpConn) Read(p []byte) (int, error) { return h.r.Read(p) }
 
 // connContext lets the handler see how a connection reached the server.
 func connContext(ctx context.Context, conn net.Conn) context.Context {
-	if h, ok := conn.(*httpConn); ok {
+	switch h := conn.(type) {
+	case *httpConn:
+		return context.WithValue(ctx, connInfoKey{}, h.info)
+	case *tlsHTTPConn:
 		return context.WithValue(ctx, connInfoKey{}, h.info)
 	}
 	return ctx
@@ -270,7 +284,17 @@ func (c *core) forward(w http.ResponseWriter, r *http.Request, a *Attachment, vi
 	u := *r.URL
 	u.Scheme = "http"
 	u.Host = strings.TrimSuffix(net.JoinHostPort(normalizeName(host), strconv.Itoa(int(port))), ":80")
-	out := r.WithContext(context.WithValue(r.Context(), viaKey{}, via))
+	ctx := context.WithValue(r.Context(), viaKey{}, via)
+	if info, _ := r.Context().Value(connInfoKey{}).(connInfo); info.tls {
+		u.Scheme = "https"
+		u.Host = strings.TrimSuffix(net.JoinHostPort(normalizeName(host), strconv.Itoa(int(port))), ":443")
+		var err error
+		if ctx, err = c.withSecrets(ctx, r, normalizeName(host)); err != nil {
+			writeProxyError(w, err)
+			return
+		}
+	}
+	out := r.WithContext(ctx)
 	out.URL, out.Host = &u, ""
 	a.proxy.ServeHTTP(w, out)
 }
@@ -328,7 +352,12 @@ func (c *core) serveConnect(w http.ResponseWriter, r *http.Request, a *Attachmen
 		c.http.push(&httpConn{boxConn: conn, r: unbuffered(br, brw.Reader), info: connInfo{via: "connect", port: port, name: host}})
 		return
 	}
-	defer conn.Close()
+	handedOff := false // to the HTTP server, which closes it
+	defer func() {
+		if !handedOff {
+			conn.Close()
+		}
+	}()
 	sni, err := sniffTLS(br)
 	switch {
 	case errors.Is(err, errNoSNI):
@@ -345,6 +374,12 @@ func (c *core) serveConnect(w http.ResponseWriter, r *http.Request, a *Attachmen
 		return
 	}
 	conn.SetReadDeadline(time.Time{})
+	if c.intercepts(a, host, port) {
+		up.Close()
+		handedOff = true
+		c.intercept(conn, unbuffered(br, brw.Reader), "connect", host, port)
+		return
+	}
 	splice(conn, unbuffered(br, brw.Reader), up)
 }
 

@@ -5,10 +5,13 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"kiln/internal/boxpolicy"
 )
 
 // Filesystem magic numbers of an initramfs root.
@@ -24,7 +27,7 @@ const portWait = 60 * time.Second
 // Setup prepares the guest and returns the path of the character device
 // that carries the agent protocol to the host. In the initramfs it switches
 // to the real root and re-executes AgentPath; it returns only on error there.
-func Setup(cfg Config) (stream string, err error) {
+func Setup() (stream string, err error) {
 	if os.Getpid() != 1 {
 		return "", errors.New("guestinit: not running as PID 1")
 	}
@@ -35,7 +38,7 @@ func Setup(cfg Config) (stream string, err error) {
 	if st.Type == ramfsMagic || st.Type == tmpfsMagic {
 		return "", switchRoot()
 	}
-	return setupRoot(cfg)
+	return setupRoot()
 }
 
 // switchRoot is stage 1: load modules, mount the root disk, move onto it
@@ -135,28 +138,21 @@ func waitFor(path string) error {
 }
 
 // setupRoot is stage 2.
-func setupRoot(cfg Config) (string, error) {
-	cmdline, err := os.ReadFile("/proc/cmdline")
+func setupRoot() (string, error) {
+	cmdline, err := readCmdline()
 	if err != nil {
-		// /proc is not mounted yet: mount it plainly to read the
-		// command line; the table mounts it again with hidepid.
-		if err := doMount(mount{"proc", "/proc", "proc", msNosuid | msNodev | msNoexec, ""}); err != nil {
-			return "", err
-		}
-		cmdline, err = os.ReadFile("/proc/cmdline")
-		unix.Unmount("/proc", unix.MNT_DETACH)
-		if err != nil {
-			return "", fmt.Errorf("reading kernel command line: %w", err)
-		}
+		return "", err
 	}
-	p := ParseCmdline(string(cmdline))
-	cfg = cfg.merge(p)
-	for _, m := range mounts(cfg) {
+	p := ParseCmdline(cmdline)
+	if p.Plan == nil {
+		return "", ErrNoPlan
+	}
+	for _, m := range mounts(p.Plan) {
 		if err := doMount(m); err != nil {
 			return "", err
 		}
 	}
-	if err := mountTemplate(string(cmdline)); err != nil {
+	if err := mountTemplate(cmdline); err != nil {
 		return "", err
 	}
 	for name, target := range map[string]string{
@@ -165,24 +161,32 @@ func setupRoot(cfg Config) (string, error) {
 	} {
 		os.Symlink(target, name)
 	}
-	if err := unix.Sethostname([]byte(cfg.Hostname)); err != nil {
+	if err := unix.Sethostname([]byte(p.Plan.Hostname)); err != nil {
 		return "", fmt.Errorf("setting hostname: %w", err)
 	}
-	if err := loopbackUp(); err != nil {
+	if err := linkUp("lo"); err != nil {
+		return "", err
+	}
+	if err := setupNetwork(p.Plan.Network); err != nil {
 		return "", err
 	}
 	// Inherited by everything the agent starts. Root ignores NPROC, so it
 	// bounds only the unprivileged user that runs the code.
-	for _, rl := range []struct {
-		res int
-		n   int
-	}{{unix.RLIMIT_NPROC, cfg.Pids}, {unix.RLIMIT_NOFILE, cfg.OpenFiles}} {
-		lim := unix.Rlimit{Cur: uint64(rl.n), Max: uint64(rl.n)}
-		if err := unix.Setrlimit(rl.res, &lim); err != nil {
-			return "", fmt.Errorf("setting rlimit %d: %w", rl.res, err)
+	for _, rl := range p.Plan.Rlimits {
+		res, _ := boxpolicy.RlimitResource(rl.Name) // decodePlan took only its names
+		if err := unix.Setrlimit(res, &unix.Rlimit{Cur: rl.Value, Max: rl.Value}); err != nil {
+			return "", fmt.Errorf("setting %s: %w", rl.Name, err)
 		}
 	}
-	if err := codeCgroup(cfg); err != nil {
+	// The agent's environment, and so the code's: the plan's and the code
+	// user's names (USER, LOGNAME), as on every backend, not the kernel's
+	// (HOME=/, TERM=linux); the template's on top (mountTemplate).
+	os.Clearenv()
+	for _, kv := range slices.Concat(p.Plan.Env, boxpolicy.UserEnv(codeUID(p.Plan)), templateEnv(cmdline)) {
+		k, v, _ := strings.Cut(kv, "=")
+		os.Setenv(k, v)
+	}
+	if err := codeCgroup(p); err != nil {
 		return "", err
 	}
 	for _, sc := range sysctls {
@@ -192,7 +196,7 @@ func setupRoot(cfg Config) (string, error) {
 		}
 	}
 	if p.Transport == "vsock" {
-		if err := serveSeedVsock(SeedVsockPort); err != nil {
+		if err := serveSeedVsock(SeedVsockPort, p.Plan.Network); err != nil {
 			return "", err
 		}
 		return vsockStream(p.VsockPort)
@@ -204,15 +208,50 @@ func setupRoot(cfg Config) (string, error) {
 	// The seed port sits on the same device as the agent's: it is there
 	// by now if the host gave one.
 	if seed, err := lookupPort(SeedPortName); err == nil {
-		if err := serveSeed(seed); err != nil {
+		if err := serveSeed(seed, p.Plan.Network); err != nil {
 			return "", err
 		}
 	}
 	return stream, nil
 }
 
+// readCmdline reads the kernel command line, mounting /proc plainly
+// for it if it is not mounted yet (the mount table mounts it again, with
+// hidepid).
+func readCmdline() (string, error) {
+	cmdline, err := os.ReadFile("/proc/cmdline")
+	if err == nil {
+		return string(cmdline), nil
+	}
+	if err := doMount(mount{"proc", "/proc", "proc", msNosuid | msNodev | msNoexec, ""}); err != nil {
+		return "", err
+	}
+	cmdline, err = os.ReadFile("/proc/cmdline")
+	unix.Unmount("/proc", unix.MNT_DETACH)
+	if err != nil {
+		return "", fmt.Errorf("reading kernel command line: %w", err)
+	}
+	return string(cmdline), nil
+}
+
+// PlanDigest is the digest of the box plan on this guest's kernel command
+// line, which stage 2 built the box from (it fails without one): the
+// serving agent announces it in its hello, and the host refuses a guest
+// that does not.
+func PlanDigest() (string, error) {
+	cmdline, err := os.ReadFile("/proc/cmdline")
+	if err != nil {
+		return "", fmt.Errorf("reading kernel command line: %w", err)
+	}
+	p := ParseCmdline(string(cmdline))
+	if p.Plan == nil {
+		return "", ErrNoPlan
+	}
+	return p.Plan.Digest(), nil
+}
+
 // codeCgroup mounts cgroup2 and makes CodeCgroup with the box's limits.
-func codeCgroup(cfg Config) error {
+func codeCgroup(p Params) error {
 	const root = "/sys/fs/cgroup"
 	if err := unix.Mount("cgroup2", root, "cgroup2", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "nsdelegate"); err != nil && !errors.Is(err, unix.EBUSY) {
 		return fmt.Errorf("mounting cgroup2: %w", err)
@@ -223,7 +262,7 @@ func codeCgroup(cfg Config) error {
 	if err := os.Mkdir(CodeCgroup, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
 		return fmt.Errorf("creating code cgroup: %w", err)
 	}
-	for _, f := range codeCgroupFiles(cfg) {
+	for _, f := range codeCgroupFiles(p) {
 		if err := os.WriteFile(CodeCgroup+"/"+f.file, []byte(f.value), 0); err != nil {
 			return fmt.Errorf("limiting code cgroup: %s: %w", f.file, err)
 		}
@@ -232,6 +271,9 @@ func codeCgroup(cfg Config) error {
 }
 
 func doMount(m mount) error {
+	if m.flags&msBind != 0 {
+		return doBind(m)
+	}
 	if err := os.MkdirAll(m.target, 0o755); err != nil && !errors.Is(err, unix.EROFS) {
 		return fmt.Errorf("creating %s: %w", m.target, err)
 	}
@@ -245,22 +287,17 @@ func doMount(m mount) error {
 	return nil
 }
 
-func loopbackUp() error {
-	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return fmt.Errorf("bringing up lo: %w", err)
+// doBind binds m.source over m.target, which exists (or the bind is
+// skipped), then applies m's other flags to the bind.
+func doBind(m mount) error {
+	if _, err := os.Stat(m.target); errors.Is(err, os.ErrNotExist) {
+		return nil
 	}
-	defer unix.Close(fd)
-	ifr, err := unix.NewIfreq("lo")
-	if err != nil {
-		return fmt.Errorf("bringing up lo: %w", err)
+	if err := unix.Mount(m.source, m.target, "", unix.MS_BIND, ""); err != nil {
+		return fmt.Errorf("binding %s on %s: %w", m.source, m.target, err)
 	}
-	if err := unix.IoctlIfreq(fd, unix.SIOCGIFFLAGS, ifr); err != nil {
-		return fmt.Errorf("bringing up lo: %w", err)
-	}
-	ifr.SetUint16(ifr.Uint16() | unix.IFF_UP)
-	if err := unix.IoctlIfreq(fd, unix.SIOCSIFFLAGS, ifr); err != nil {
-		return fmt.Errorf("bringing up lo: %w", err)
+	if err := unix.Mount("", m.target, "", unix.MS_BIND|unix.MS_REMOUNT|m.flags, ""); err != nil {
+		return fmt.Errorf("binding %s on %s: %w", m.source, m.target, err)
 	}
 	return nil
 }
@@ -306,4 +343,14 @@ func PowerOff() error {
 		err = errors.Join(err, err2)
 	}
 	return fmt.Errorf("powering off: %w", err)
+}
+
+// codeUID is the user the code runs as: the owner of the plan's workspace.
+func codeUID(plan *boxpolicy.Plan) int {
+	for _, t := range plan.Tmpfs {
+		if t.Path == plan.Workspace && t.UID >= 0 {
+			return t.UID
+		}
+	}
+	return boxpolicy.UID
 }

@@ -1,26 +1,39 @@
 package guestinit
 
 import (
+	"encoding/base64"
+	"slices"
 	"strings"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+
+	"kiln/internal/boxpolicy"
 )
 
+// testPlan is the plan of a box with small limits, as a host sends it.
+func testPlan() *boxpolicy.Plan {
+	p := boxpolicy.New(boxpolicy.Limits{WorkspaceBytes: 1 << 20, TmpBytes: 2 << 20, Inodes: 10, Pids: 64, OpenFiles: 128}, 1000, 1000)
+	p.Landlock = nil
+	return &p
+}
+
 func TestParseCmdline(t *testing.T) {
+	plan := testPlan()
+	enc := encodePlan(plan)
 	for _, tc := range []struct {
 		name, in string
 		want     func(*Params)
 	}{
 		{"empty", "", func(*Params) {}},
-		{"kiln params", "console=ttyS0 root=/dev/vdb rootfstype=squashfs kiln.work_size=1048576 kiln.tmp_size=2048 kiln.inodes=99 kiln.uid=1001 kiln.gid=1002 kiln.hostname=box-1 kiln.pids=64 kiln.nofile=128 kiln.mem=4096 kiln.port=p",
+		{"kiln params", "console=ttyS0 root=/dev/vdb rootfstype=squashfs kiln.plan=" + enc + " kiln.mem=4096 kiln.port=p",
 			func(p *Params) {
 				p.Root, p.RootFSType = "/dev/vdb", "squashfs"
-				p.WorkspaceBytes, p.TmpBytes, p.Inodes = 1048576, 2048, 99
-				p.UID, p.GID, p.Hostname, p.Pids, p.OpenFiles, p.Port, p.MemoryBytes = 1001, 1002, "box-1", 64, 128, "p", 4096
+				p.Plan, p.Port, p.MemoryBytes = plan, "p", 4096
 			}},
-		{"malformed values keep defaults", "kiln.work_size=-5 kiln.tmp_size=abc kiln.uid=-1 kiln.hostname=bad/name kiln.inodes=", func(*Params) {}},
-		{"init args ignored", "ro -- kiln.work_size=5 -guest", func(*Params) {}},
+		{"malformed values keep defaults", "kiln.mem=-5 kiln.plan=!!! kiln.transport=tcp kiln.port=", func(*Params) {}},
+		{"plan not JSON", "kiln.plan=" + base64.RawURLEncoding.EncodeToString([]byte("{")), func(*Params) {}},
+		{"init args ignored", "ro -- kiln.plan=" + enc + " -guest", func(*Params) {}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			want := defaults
@@ -32,37 +45,85 @@ func TestParseCmdline(t *testing.T) {
 	}
 }
 
-func TestMerge(t *testing.T) {
-	p := defaults
-	p.WorkspaceBytes = 7
-	got := Config{TmpBytes: 9, Hostname: "h"}.merge(p)
-	want := Config{Workspace: "/work", WorkspaceBytes: 7, TmpBytes: 9, Inodes: p.Inodes, UID: 1000, GID: 1000, Hostname: "h", Pids: p.Pids, OpenFiles: p.OpenFiles, MemoryBytes: p.MemoryBytes}
-	if d := cmp.Diff(want, got); d != "" {
-		t.Errorf("merge (-want +got):\n%s", d)
+// TestPlanRefused: a plan the guest could not build a box from is no
+// plan (Setup then fails with ErrNoPlan): an rlimit it does not know, no
+// workspace, a bad host name, a relative or unsized tmpfs.
+func TestPlanRefused(t *testing.T) {
+	for _, bad := range []func(*boxpolicy.Plan){
+		func(p *boxpolicy.Plan) { p.Rlimits = append(p.Rlimits, boxpolicy.Rlimit{Name: "RLIMIT_AS", Value: 1}) },
+		func(p *boxpolicy.Plan) { p.Workspace = "" },
+		func(p *boxpolicy.Plan) { p.Hostname = "a b" },
+		func(p *boxpolicy.Plan) { p.Tmpfs[1].Path = "tmp" },
+		func(p *boxpolicy.Plan) { p.Tmpfs[2].Size = 0 },
+	} {
+		p := testPlan()
+		bad(p)
+		if got := ParseCmdline("kiln.plan=" + encodePlan(p)).Plan; got != nil {
+			t.Errorf("the guest takes the plan %+v", got)
+		}
+	}
+	if ParseCmdline("kiln.plan="+encodePlan(testPlan())).Plan == nil {
+		t.Error("the guest refuses the plan every host sends")
 	}
 }
 
-// TestMounts pins the security-relevant properties of the mount table.
+// TestMounts pins the security-relevant properties of the mount table:
+// the box's filesystems are the plan's, capped as it caps them (the
+// /dev/shm inode cap included), and its /proc masks are read-only.
 func TestMounts(t *testing.T) {
-	cfg := Config{Workspace: "/work", WorkspaceBytes: 1 << 20, TmpBytes: 2 << 20, Inodes: 10, UID: 1000, GID: 1000}
 	seen := map[string]mount{}
-	for _, m := range mounts(cfg) {
+	for _, m := range mounts(testPlan()) {
 		seen[m.target] = m
 		if m.flags&msNosuid == 0 {
 			t.Errorf("%s is mounted without nosuid", m.target)
 		}
 	}
 	for target, want := range map[string]string{
-		"/work": "size=1048576,nr_inodes=10,uid=1000,gid=1000",
-		"/tmp":  "size=2097152,nr_inodes=10",
-		"/proc": "hidepid=2",
+		"/work":    "size=1048576,nr_inodes=10,uid=1000,gid=1000",
+		"/tmp":     "size=2097152,nr_inodes=10",
+		"/dev/shm": "size=67108864,nr_inodes=1024",
+		"/proc":    "hidepid=2",
 	} {
 		if !strings.Contains(seen[target].data, want) {
 			t.Errorf("%s mounted with %q, want it to contain %q", target, seen[target].data, want)
 		}
 	}
+	for _, name := range boxpolicy.ProcMasks {
+		m, ok := seen["/proc/"+name]
+		switch {
+		case !ok || m.flags&msBind == 0:
+			t.Errorf("/proc/%s is not masked: %+v", name, m)
+		case slices.Contains(boxpolicy.ProcReadOnly, name):
+			if m.source != m.target || m.flags&msRdonly == 0 {
+				t.Errorf("/proc/%s is not bound read-only onto itself (a write must fail): %+v", name, m)
+			}
+		case m.source != "/dev/null" || m.flags&msNodev != 0:
+			t.Errorf("/proc/%s is not masked with a usable /dev/null: %+v", name, m)
+		}
+	}
 	if seen["/sys"].flags&msRdonly == 0 {
 		t.Error("/sys is writable")
+	}
+	order := map[string]int{}
+	for i, m := range mounts(testPlan()) {
+		order[m.target] = i
+	}
+	if order["/dev/shm"] < order["/dev"] || order["/proc/kcore"] < order["/proc"] {
+		t.Error("a mount comes before the one it sits on")
+	}
+}
+
+// TestCodeCgroupFiles: the code cgroup's pids limit is the plan's
+// RLIMIT_NPROC, its memory the command line's, without swap.
+func TestCodeCgroupFiles(t *testing.T) {
+	p := defaults
+	p.Plan, p.MemoryBytes = testPlan(), 4096
+	got := map[string]string{}
+	for _, f := range codeCgroupFiles(p) {
+		got[f.file] = f.value
+	}
+	if d := cmp.Diff(map[string]string{"memory.max": "4096", "memory.swap.max": "0", "pids.max": "64"}, got); d != "" {
+		t.Errorf("code cgroup (-want +got):\n%s", d)
 	}
 }
 
@@ -92,13 +153,17 @@ func TestSysctls(t *testing.T) {
 func TestCmdlineRoundTrip(t *testing.T) {
 	hostile := []string{"a b", "x kiln.uid=0", "-- -uid=0", `"quoted"`, "tab\there", "line\nbreak", "100%", "%zz", "=", "p=q", "ünïcode", "kiln.port=x"}
 	base := defaults
-	base.WorkspaceBytes, base.TmpBytes, base.Inodes, base.MemoryBytes = 1<<20+1, 3<<20, 77, 5<<30
-	base.UID, base.GID, base.Pids, base.OpenFiles = 0, 4242, 9, 99
-	base.Transport, base.VsockPort, base.Hostname = "vsock", 1<<32-1, "box-1.kiln"
-	cases := []Params{defaults, base}
+	base.Plan, base.MemoryBytes = testPlan(), 5<<30
+	base.Transport, base.VsockPort = "vsock", 1<<32-1
+	cases := []Params{base}
 	for _, h := range hostile {
 		p := base
 		p.Port = h
+		cases = append(cases, p)
+		// A plan's strings travel inside its encoding, whatever they hold.
+		plan := *testPlan()
+		plan.Env = append(plan.Env, "X="+h)
+		p.Plan = &plan
 		cases = append(cases, p)
 	}
 	for _, p := range cases {
@@ -112,11 +177,10 @@ func TestCmdlineRoundTrip(t *testing.T) {
 	}
 	// What the guest would not read back, the host is told of.
 	for _, bad := range []func(*Params){
-		func(p *Params) { p.Hostname = "a b" },
-		func(p *Params) { p.Hostname = "x kiln.uid=0" },
+		func(p *Params) { p.Plan = nil },
+		func(p *Params) { p.Plan = &boxpolicy.Plan{Hostname: "a b", Workspace: "/work"} },
 		func(p *Params) { p.Transport = "tcp" },
-		func(p *Params) { p.WorkspaceBytes = 0 },
-		func(p *Params) { p.Pids = -1 },
+		func(p *Params) { p.MemoryBytes = 0 },
 		func(p *Params) { p.Root = "/dev/vda kiln.uid=0" },
 		func(p *Params) { p.Port = "" },
 	} {

@@ -2,18 +2,23 @@ package guestinit
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
+	"net/netip"
 	"os"
 	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"kiln/internal/boxpolicy"
 )
 
-// serveSeed reseeds the kernel's RNG and sets the clock from each seed
-// message on the port, acknowledging each with one byte.
-func serveSeed(path string) error {
+// serveSeed reseeds the kernel's RNG, sets the clock and configures the
+// box's network (nw, from the plan; nil for none) from each seed message
+// on the port, acknowledging each with one byte.
+func serveSeed(path string, nw *boxpolicy.Network) error {
 	f, err := os.OpenFile(path, os.O_RDWR, 0)
 	if err != nil {
 		return fmt.Errorf("opening seed port: %w", err)
@@ -25,7 +30,7 @@ func serveSeed(path string) error {
 	}
 	go func() {
 		for {
-			seedFrom(f, rnd)
+			seedFrom(f, rnd, nw)
 			// EOF: no host end connected (a template being
 			// saved, or a VM going away). Wait for one.
 			time.Sleep(50 * time.Millisecond)
@@ -36,7 +41,7 @@ func serveSeed(path string) error {
 
 // serveSeedVsock serves seed messages on a vsock port: the host connects
 // once per restore.
-func serveSeedVsock(port uint32) error {
+func serveSeedVsock(port uint32, nw *boxpolicy.Network) error {
 	rnd, err := os.OpenFile("/dev/random", os.O_WRONLY, 0)
 	if err != nil {
 		return fmt.Errorf("opening /dev/random: %w", err)
@@ -52,7 +57,7 @@ func serveSeedVsock(port uint32) error {
 			if err != nil {
 				return
 			}
-			seedFrom(c, rnd)
+			seedFrom(c, rnd, nw)
 			c.Close()
 		}
 	}()
@@ -60,18 +65,47 @@ func serveSeedVsock(port uint32) error {
 }
 
 // seedFrom applies seed messages from port until it fails.
-func seedFrom(port io.ReadWriter, rnd *os.File) {
-	msg := make([]byte, SeedMessageSize)
+func seedFrom(port io.ReadWriter, rnd *os.File, nw *boxpolicy.Network) {
 	for {
-		if _, err := io.ReadFull(port, msg); err != nil {
+		s, err := ReadSeed(port)
+		if err != nil {
 			return
 		}
-		reseed(int(rnd.Fd()), msg[:SeedSize])
-		ns := int64(binary.BigEndian.Uint64(msg[SeedSize:]))
-		ts := unix.NsecToTimespec(ns)
+		reseed(int(rnd.Fd()), s.Entropy[:])
+		ts := unix.NsecToTimespec(s.Time)
 		unix.ClockSettime(unix.CLOCK_REALTIME, &ts)
-		port.Write([]byte{1})
+		answer := byte(SeedOK)
+		if err := seedNetwork(s, nw); err != nil {
+			fmt.Fprintln(os.Stderr, "kiln guest:", err) // the console log
+			answer = SeedFailed
+		}
+		port.Write([]byte{answer})
 	}
+}
+
+// seedNetwork gives the box the address a seed carries, on the network
+// its plan describes. A seed without an address changes nothing; one
+// with an address for a guest whose plan has no network is refused, as
+// is a trust bundle the plan does not expect.
+func seedNetwork(s Seed, nw *boxpolicy.Network) error {
+	addr := netip.AddrFrom4(s.Addr)
+	switch {
+	case addr.IsUnspecified() && len(s.TrustBundle) == 0:
+		return nil
+	case nw == nil:
+		return errors.New("configuring network: the host sent an address, and the box plan has no network")
+	case addr.IsUnspecified():
+		return errors.New("configuring network: a trust bundle without an address")
+	case (len(s.TrustBundle) > 0) != nw.TrustBundle:
+		return fmt.Errorf("configuring network: trust bundle of %d bytes, and the plan says trust bundle %v", len(s.TrustBundle), nw.TrustBundle)
+	}
+	if err := configureNetwork(addr, nw); err != nil {
+		return err
+	}
+	if nw.TrustBundle {
+		return installTrustBundle(s.TrustBundle)
+	}
+	return nil
 }
 
 // reseed credits data to the input pool and reseeds the CRNG from it.

@@ -3,13 +3,13 @@ package guestinit
 import (
 	"strings"
 
-	"kiln/internal/sandbox/boxplan"
+	"kiln/internal/boxpolicy"
 )
 
 // TemplateParam is the kernel command-line word (TemplateParam=DEVICE)
 // by which the host gives the guest a configured template's files: a
 // read-only ext4 disk labelled TemplateLabel, which stage 2 mounts at
-// boxplan.TemplateDir, read-only, nosuid and nodev, and puts its python
+// boxpolicy.TemplateDir, read-only, nosuid and nodev, and puts its python
 // directory on the agent's (so the code's) PYTHONPATH.
 const TemplateParam = "kiln.template"
 
@@ -19,7 +19,15 @@ const TemplateLabel = "kiln-template"
 
 // TemplateEnv is the environment the code finds with a template, as on
 // the jail and gVisor.
-var TemplateEnv = []string{"PYTHONPATH=" + boxplan.TemplatePython, "KILN_TEMPLATE_FILES=" + boxplan.TemplateDir}
+var TemplateEnv = []string{"PYTHONPATH=" + boxpolicy.TemplatePython, "KILN_TEMPLATE_FILES=" + boxpolicy.TemplateDir}
+
+// templateEnv is the environment a template adds, if cmdline names one.
+func templateEnv(cmdline string) []string {
+	if templateDevice(cmdline) == "" {
+		return nil
+	}
+	return TemplateEnv
+}
 
 // templateDevice is the template device the command line names: a
 // /dev/vdX path, or "" for none (or anything else).

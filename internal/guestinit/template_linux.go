@@ -4,16 +4,15 @@ import (
 	"bytes"
 	"fmt"
 	"os"
-	"strings"
 
 	"golang.org/x/sys/unix"
 
-	"kiln/internal/sandbox/boxplan"
+	"kiln/internal/boxpolicy"
 )
 
 // mountTemplate mounts the template disk the command line names, if any,
-// at boxplan.TemplateDir (the image has the directory), and sets the
-// agent's environment for it.
+// at boxpolicy.TemplateDir (the image has the directory). Stage 2 adds
+// templateEnv to the agent's environment.
 func mountTemplate(cmdline string) error {
 	dev := templateDevice(cmdline)
 	if dev == "" {
@@ -30,12 +29,8 @@ func mountTemplate(cmdline string) error {
 		return fmt.Errorf("template disk %s: label %q, want %q", dev, label, TemplateLabel)
 	}
 	flags := uintptr(unix.MS_RDONLY | unix.MS_NOSUID | unix.MS_NODEV)
-	if err := unix.Mount(dev, boxplan.TemplateDir, "ext4", flags, ""); err != nil {
-		return fmt.Errorf("mounting template disk %s on %s: %w", dev, boxplan.TemplateDir, err)
-	}
-	for _, kv := range TemplateEnv {
-		k, v, _ := strings.Cut(kv, "=")
-		os.Setenv(k, v)
+	if err := unix.Mount(dev, boxpolicy.TemplateDir, "ext4", flags, ""); err != nil {
+		return fmt.Errorf("mounting template disk %s on %s: %w", dev, boxpolicy.TemplateDir, err)
 	}
 	return nil
 }

@@ -19,8 +19,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"kiln/internal/boxpolicy"
 	"kiln/internal/guestinit"
-	"kiln/internal/sandbox/boxplan"
 )
 
 // tools the build runs, with the Debian package that has each.
@@ -444,6 +444,9 @@ func configure(root string) error {
 		"etc/hosts":       "127.0.0.1\tlocalhost kiln\n::1\tlocalhost\n",
 		"etc/resolv.conf": "",
 		"etc/machine-id":  "",
+		// The mount point of a box's egress trust bundle, which the guest
+		// binds there when its gateway has secrets (the root is read-only).
+		strings.TrimPrefix(boxpolicy.TrustBundle, "/"): "",
 	}
 	for rel, content := range files {
 		p := filepath.Join(root, rel)
@@ -484,7 +487,7 @@ func pack(ctx context.Context, opts Options, b *base, key, dir string, log *slog
 		}
 		// The mount point of a configured template's disk (microvm
 		// backend), made here so that cached bases get it too.
-		if err := os.MkdirAll(filepath.Join(b.rootfs(), boxplan.TemplateDir), 0o755); err != nil {
+		if err := os.MkdirAll(filepath.Join(b.rootfs(), boxpolicy.TemplateDir), 0o755); err != nil {
 			return err
 		}
 		return mkfs(ctx, log, b.rootfs(), filepath.Join(tmp, im.Rootfs))

@@ -3,8 +3,13 @@ package image
 import (
 	"fmt"
 	"log/slog"
+	"os"
+	"path/filepath"
 	"strings"
 )
+
+// vmlinuxName is the kernel's file in its cache directory.
+const vmlinuxName = "vmlinux"
 
 // kernelRecipe versions the Firecracker kernel build steps; bump it when a
 // step changes what it produces.
@@ -68,6 +73,11 @@ var FirecrackerKernelConfig = []KernelOption{
 	{"INET", "y"}, // loopback, which the agent brings up
 	{"VSOCKETS", "y"},
 	{"VIRTIO_VSOCKETS", "y"},
+	// The NIC of a box with an egress policy (Firecracker's
+	// network-interfaces, on a tap leading to the gateway).
+	{"NETDEVICES", "y"},
+	{"NET_CORE", "y"},
+	{"VIRTIO_NET", "y"},
 
 	// Filesystems the agent mounts (package guestinit).
 	{"EXT4_FS", "y"},
@@ -185,4 +195,29 @@ func CheckKernelConfig(dotconfig string, want []KernelOption) error {
 		return fmt.Errorf("kernel config lacks %s", strings.Join(bad, ", "))
 	}
 	return nil
+}
+
+// LatestFirecrackerKernel returns the vmlinux of the Firecracker kernel
+// built last in cacheDir (default: kiln's image cache), by
+// BuildFirecrackerKernel (kiln image build --firecracker-kernel).
+func LatestFirecrackerKernel(cacheDir string) (string, error) {
+	if cacheDir == "" {
+		d, err := defaultCacheDir()
+		if err != nil {
+			return "", err
+		}
+		cacheDir = d
+	}
+	ms, _ := filepath.Glob(filepath.Join(cacheDir, "fckernel-*", manifestName))
+	var best string
+	var bestTime int64
+	for _, m := range ms {
+		if fi, err := os.Stat(m); err == nil && fi.ModTime().UnixNano() > bestTime {
+			best, bestTime = filepath.Join(filepath.Dir(m), vmlinuxName), fi.ModTime().UnixNano()
+		}
+	}
+	if best == "" {
+		return "", fmt.Errorf("no firecracker kernel in %s yet (build one with: kiln image build --firecracker-kernel)", cacheDir)
+	}
+	return best, nil
 }

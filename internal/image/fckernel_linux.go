@@ -39,10 +39,7 @@ type firecrackerKernel struct {
 	Took    string         `json:"took"`
 }
 
-const (
-	vmlinuxName      = "vmlinux"
-	kernelConfigName = "config"
-)
+const kernelConfigName = "config"
 
 // BuildFirecrackerKernel builds an uncompressed kernel (vmlinux) for
 // Firecracker from Debian's linux-source package: tinyconfig plus

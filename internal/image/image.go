@@ -39,14 +39,18 @@ var (
 	ErrNotBuilt    = errors.New("image: not built yet (run kiln image build)")
 )
 
-// DefaultPackages are installed on top of debootstrap's minbase.
-var DefaultPackages = []string{"python3", "python3-numpy", "python3-pandas", "python3-matplotlib", "python3-dill"}
+// DefaultPackages are installed on top of debootstrap's minbase: the
+// host runtime's (the Makefile's APT_RUNTIME), pip included, which a box
+// under an egress allowlist installs through the gateway with.
+var DefaultPackages = []string{"python3", "python3-numpy", "python3-pandas", "python3-matplotlib", "python3-dill", "python3-pip"}
 
 // DefaultModules are the kernel modules the initramfs loads, by name; their
 // dependencies are added and ordered from the modules' own metadata.
 // crc32c_generic is asked for by ext4 through the crypto API, which a
-// module's "depends" does not list.
-var DefaultModules = []string{"virtio_mmio", "virtio_blk", "virtio_console", "virtio_rng", "crc32c_generic", "ext4"}
+// module's "depends" does not list. virtio_net is the NIC of a box with
+// an egress policy; a guest without one has no network device, and the
+// module then finds nothing to drive.
+var DefaultModules = []string{"virtio_mmio", "virtio_blk", "virtio_console", "virtio_rng", "virtio_net", "crc32c_generic", "ext4"}
 
 // prune lists what the build deletes from the root filesystem: nothing in
 // it is used at run time by Python, and the root is read-only anyway.

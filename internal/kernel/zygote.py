@@ -6,7 +6,7 @@
 # host sends one request on fd 3 (a SOCK_SEQPACKET socket): a JSON plan and
 # two descriptors, the box's end of its agent stream and a pipe for its
 # error messages. The plan is data the host generates from the box plan
-# that a directly started box's init interprets too (package boxplan:
+# that a directly started box's init interprets too (package boxpolicy:
 # mounts, rlimits, Landlock rules, environment; and the seccomp program);
 # this file only carries it out, in this order (the two-step form; see
 # _clone_box for the one-step form the template uses when it can):
@@ -334,14 +334,13 @@ def _pid1(plan):
             os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 
-def _reseed():
-    """Forked boxes share the template's random state: draw new seeds."""
-    np_random = sys.modules.get("numpy.random")
-    if np_random is not None:
-        try:
-            np_random.seed()
-        except Exception:
-            pass
+def _reseed(plan):
+    """Forked boxes share the template's random state: draw new seeds, as
+    the host's one list says (sandbox.ReseedCode, in the plan)."""
+    try:
+        exec(plan.get("reseed") or "", {})
+    except Exception:
+        pass
 
 
 def _spawn(plan, fds):
@@ -382,7 +381,8 @@ def _spawn(plan, fds):
         _CTL.detach()
         _arrange([fds[0], fds[0], fds[1], a_w, b_r])
         (_box_cloned if cloned else _box)(plan, 3, 4)
-        _reseed()
+        _reseed(plan)
+        _rethread(plan)
         return True
     except BaseException as e:
         try:
@@ -489,12 +489,27 @@ def _map(pid, plan, from_g, to_g):
         os.setresuid(-1, me, -1)
 
 
+# Thread pools _quiesce stopped, by library: the size each had, for a box
+# with the CPUs to use it (_rethread).
+_POOLS = {}
+
+
 def _quiesce():
-    """One fork whose child exits at once, to run the pthread_atfork
-    handlers of the libraries the preloads loaded: OpenBLAS stops its
-    thread pool in them and starts it again only when the template runs
-    BLAS, which it never does. A single-threaded template can then clone
-    boxes in one step (_clone_box)."""
+    """Stop every thread pool the preloads started, so that the template
+    is one thread and can clone boxes in one step (_clone_box). First the
+    pools no at-fork handler stops: numexpr's (pandas imports it), cut to
+    one thread, which numexpr runs in the calling thread. Then one fork
+    whose child exits at once, to run the pthread_atfork handlers of the
+    libraries the preloads loaded: OpenBLAS stops its thread pool in them
+    and starts it again only when the template runs BLAS, which it never
+    does. Returns the template's threads left over, by name (a pool kiln
+    does not know of), which keep it to two steps."""
+    ne = sys.modules.get("numexpr")
+    if ne is not None:
+        try:
+            _POOLS["numexpr"] = ne.set_num_threads(1)
+        except Exception:
+            pass
     try:
         pid = os.fork()
         if pid == 0:
@@ -504,6 +519,35 @@ def _quiesce():
         os.waitpid(pid, 0)
     except OSError:
         pass
+    return _threads()
+
+
+def _threads():
+    """The names of this process's threads but the main one."""
+    out = []
+    try:
+        for tid in sorted(os.listdir("/proc/self/task"), key=int)[1:]:
+            try:
+                with open("/proc/self/task/%s/comm" % tid) as f:
+                    out.append(f.read().strip())
+            except OSError:
+                out.append("?")
+    except OSError:
+        pass
+    return out
+
+
+def _rethread(plan):
+    """K: give back the pools _quiesce cut to one thread, as many threads
+    as they had but no more than the box's CPUs; a one-CPU box (the
+    default) keeps one and starts no thread."""
+    cpus = -int(-float(plan.get("cpus") or 1) // 1)
+    n = min(_POOLS.get("numexpr", 1), cpus)
+    if n > 1:
+        try:
+            sys.modules["numexpr"].set_num_threads(n)
+        except Exception:
+            pass
 
 
 MADV_COLLAPSE = 25
@@ -542,9 +586,10 @@ def zygote_main():
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     gc.collect()
     gc.freeze()  # keep the collector off the shared pages in every box
-    _quiesce()
+    threads = _quiesce()
     _hugepages()
-    _CTL.send(json.dumps({"ready": True, "python": sys.version.split()[0], "preloaded": preloaded}).encode())
+    hello = {"ready": True, "python": sys.version.split()[0], "preloaded": preloaded, "threads": threads}
+    _CTL.send(json.dumps(hello).encode())
     while True:
         try:
             msg, fds, _, _ = socket.recv_fds(_CTL, 1 << 16, 2)

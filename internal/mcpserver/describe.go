@@ -11,7 +11,9 @@ import (
 // the model what is true of this server (network, limits, persistence,
 // libraries), nothing more.
 
-func (s *Server) facts() string {
+// facts are what holds for every call; network is the sentence on what
+// the caller's boxes can reach ("": none).
+func (s *Server) facts(network string) string {
 	o := s.mgr.Options()
 	var b strings.Builder
 	if s.perCall() {
@@ -19,10 +21,10 @@ func (s *Server) facts() string {
 	} else {
 		b.WriteString("State persists within a session: variables, imports, files in " + workspace + " and background processes. Each result names its session; pass that name as \"session\" to continue in it, or a new name to start another. ")
 	}
-	if s.opts.Network == "" {
+	if network == "" {
 		b.WriteString("The sandbox has NO network access (only its own loopback). ")
 	} else {
-		b.WriteString(s.opts.Network + " ")
+		b.WriteString(network + " ")
 	}
 	fmt.Fprintf(&b, "Time limit %gs per call by default (timeout_s may raise it to %gs); at the limit the code is interrupted, and if it does not stop the sandbox is destroyed. ",
 		o.DefaultTimeout.Seconds(), o.MaxTimeout.Seconds())
@@ -40,7 +42,7 @@ func (s *Server) facts() string {
 	return b.String()
 }
 
-func (s *Server) describeRunPython() string {
+func (s *Server) describeRunPython(network string) string {
 	rt := s.opts.Runtime
 	var b strings.Builder
 	b.WriteString("Run Python code in a sandbox, like a notebook cell. ")
@@ -58,13 +60,13 @@ func (s *Server) describeRunPython() string {
 	if rt.NoShell != "" {
 		b.WriteString("There is no run_shell tool: " + rt.NoShell + ". ")
 	}
-	b.WriteString(s.facts())
+	b.WriteString(s.facts(network))
 	b.WriteString(s.describeBackground())
 	return b.String()
 }
 
-func (s *Server) describeRunShell() string {
-	return "Run a bash command line in the sandbox; stdout, stderr and the exit status come back. " + s.sharedWith() + s.facts() + s.describeBackground()
+func (s *Server) describeRunShell(network string) string {
+	return "Run a bash command line in the sandbox; stdout, stderr and the exit status come back. " + s.sharedWith() + s.facts(network) + s.describeBackground()
 }
 
 func (s *Server) sharedWith() string {

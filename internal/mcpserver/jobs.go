@@ -15,7 +15,7 @@ import (
 
 // Background jobs through tools: run_python/run_shell with background:
 // true, job_status and cancel_job. (The MCP tasks extension would carry
-// the same jobs; see the README for why kiln does not serve it.)
+// the same jobs; docs/tools.md says why kiln does not serve it.)
 
 // maxJobWait caps job_status's wait_s, so that a client whose requests
 // time out after 60 s (the TypeScript SDK's default) is always answered.

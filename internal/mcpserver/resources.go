@@ -85,7 +85,7 @@ const (
 	// what follows the handler: the SDK encodes the result (base64, the
 	// JSON-RPC frame, the transport's copy) after it returns, so a 20 MiB
 	// read peaks kiln at about 190 MiB, four at once at about 380 MiB
-	// (README, "Results as resources").
+	// (docs/tools.md, "Results as resources").
 	readBudget = maxResourceRead
 	// readChunk is the piece of a file one agent read carries: smaller
 	// than agentproto.MaxRead, so the frames it arrives in stay small

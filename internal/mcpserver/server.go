@@ -13,12 +13,13 @@ import (
 	"path"
 	"runtime/debug"
 	"strings"
+	"time"
 	"unicode/utf8"
 
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 
+	"kiln/internal/boxpolicy"
 	"kiln/internal/sandbox"
-	"kiln/internal/sandbox/boxplan"
 	"kiln/internal/session"
 )
 
@@ -36,6 +37,10 @@ type Options struct {
 	// NetScope, when set, is the OAuth scope a client's token must hold
 	// for its calls to run in boxes with network (see netscope.go).
 	NetScope string
+	// NetworkFor, when set, gives the network the operator set for a
+	// principal (ok false: the server's, as Network describes it). Never
+	// the model's to choose: it comes from the server's configuration.
+	NetworkFor func(principal string) (net PrincipalNetwork, ok bool)
 	// Resources configures what comes back as kiln:// resource links.
 	Resources ResourceOptions
 }
@@ -111,14 +116,14 @@ func (s *Server) addTools() {
 	mcp.AddTool(s.mcp, &mcp.Tool{
 		Name:        "run_python",
 		Title:       "Run Python",
-		Description: s.describeRunPython(),
+		Description: s.describeRunPython(s.opts.Network),
 		Annotations: &mcp.ToolAnnotations{OpenWorldHint: boolPtr(s.opts.Network != "")},
 	}, guard(s, s.runPython, func(a RunPythonArgs) string { return a.Session }))
 	if s.opts.Runtime.NoShell == "" { // the wasm backend has none; run_python's description says why
 		mcp.AddTool(s.mcp, &mcp.Tool{
 			Name:        "run_shell",
 			Title:       "Run shell command",
-			Description: s.describeRunShell(),
+			Description: s.describeRunShell(s.opts.Network),
 			Annotations: &mcp.ToolAnnotations{OpenWorldHint: boolPtr(s.opts.Network != "")},
 		}, guard(s, s.runShell, func(a RunShellArgs) string { return a.Session }))
 	}
@@ -186,7 +191,7 @@ func guard[In any](s *Server, h mcp.ToolHandlerFor[In, any], sessionOf func(In) 
 	}
 }
 
-const workspace = boxplan.Workspace
+const workspace = boxpolicy.Workspace
 
 // principal identifies the caller: the token's user over HTTP, "local"
 // over stdio.
@@ -278,11 +283,14 @@ func (s *Server) run(ctx context.Context, req *mcp.CallToolRequest, lang session
 		if err != nil {
 			return toolError("%v", err), nil, nil
 		}
+		start := time.Now()
 		out, produced, err := s.mgr.RunOnce(session.WithPrincipal(ctx, principal(req)), lang, code, staged, timeout)
 		if err != nil {
 			return s.failure(log, err), nil, nil
 		}
-		log.Info("call", "duration", out.Duration, "error", out.Error != nil, "timed_out", out.TimedOut)
+		// duration is the client's wait: the box's, the staging, the run
+		// (run=) and the collection of produced files.
+		log.Info("call", "duration", time.Since(start), "run", out.Duration, "error", out.Error != nil, "timed_out", out.TimedOut)
 		return s.renderCall(req, out, produced), nil, nil
 	}
 	if len(files) > 0 {
@@ -293,6 +301,7 @@ func (s *Server) run(ctx context.Context, req *mcp.CallToolRequest, lang session
 		return toolError("%v", err), nil, nil
 	}
 	var out *session.Outcome
+	start := time.Now()
 	if lang == session.Shell {
 		out, err = sess.RunShell(ctx, code, timeout)
 	} else {
@@ -301,7 +310,7 @@ func (s *Server) run(ctx context.Context, req *mcp.CallToolRequest, lang session
 	if err != nil {
 		return s.failure(log, err), nil, nil
 	}
-	log.Info("call", "session", out.Session, "duration", out.Duration, "error", out.Error != nil, "timed_out", out.TimedOut, "restarted", out.Restarted)
+	log.Info("call", "session", out.Session, "duration", time.Since(start), "run", out.Duration, "error", out.Error != nil, "timed_out", out.TimedOut, "restarted", out.Restarted)
 	return s.renderCall(req, out, nil), nil, nil
 }
 

@@ -9,4 +9,9 @@ package sandbox
 // implement it: the session layer takes a box without it to have none.
 type NetworkCutter interface {
 	CutNetwork() error
+	// RestrictNetwork narrows the box's allowlist, for good, to what both
+	// it and hosts allow (egress policy entries, as --allow-net takes
+	// them): the operator's allowlist for the principal the box serves.
+	// It never widens; a box with no network returns nil.
+	RestrictNetwork(hosts []string) error
 }

@@ -10,23 +10,31 @@ import (
 	"kiln/internal/agentproto"
 )
 
-// ReseedCell runs in the kernel of every restored box: boxes restored from
-// one checkpoint share their memory, so the random generators seeded while
-// the template imported its libraries would draw the same numbers in every
-// box. It runs in a namespace of its own and leaves no names behind.
-// (Python's str hash seed stays shared; it cannot change in a live process.)
+// ReseedCode is the one list of what a box made from another's memory
+// redraws before it runs any of the model's code: boxes restored from one
+// checkpoint (RestoreConn runs it as ReseedCell), forked from one jail
+// zygote (the zygote plan carries it to internal/kernel/zygote.py) or
+// restored from one Pyodide snapshot (the wasm host's config carries it to
+// its kernel.mjs) share their memory, so the random generators seeded
+// while the template imported its libraries would draw the same numbers in
+// every box, and tempfile would pick the same names. It is Python, run in
+// a namespace of its own, and leaves no names behind. (Python's str hash
+// seed stays shared; it cannot change in a live process.)
+const ReseedCode = `import sys
+m = sys.modules.get("random")
+if m is not None:
+    m.seed()
+m = sys.modules.get("numpy.random")
+if m is not None:
+    m.seed()
+m = sys.modules.get("tempfile")
+if m is not None:
+    m._name_sequence = None
+`
+
+// ReseedCell is ReseedCode as a cell for the kernel of a restored box.
 const ReseedCell = `exec("""
-import sys
-r = sys.modules.get("random")
-if r is not None:
-    r.seed()
-np = sys.modules.get("numpy")
-if np is not None:
-    np.random.seed()
-tf = sys.modules.get("tempfile")
-if tf is not None:
-    tf._name_sequence = None
-""", {})`
+` + ReseedCode + `""", {})`
 
 // RestoreOptions tune RestoreConn; nil means defaults.
 type RestoreOptions struct {

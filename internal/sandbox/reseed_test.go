@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"net"
+	"os/exec"
 	"slices"
+	"strings"
 	"testing"
 
 	"kiln/internal/agentproto"
@@ -59,5 +61,30 @@ func TestRestoreConnReseedFails(t *testing.T) {
 	})
 	if !errors.Is(err, boom) || !destroyed {
 		t.Errorf("err = %v, destroyed = %v", err, destroyed)
+	}
+}
+
+// TestReseedCode runs the one reseed list in a python that has drawn from
+// random and named a temporary file: random draws anew, and tempfile
+// starts a new name sequence.
+func TestReseedCode(t *testing.T) {
+	python, err := exec.LookPath("python3")
+	if err != nil {
+		t.Skip("no python3 on this host")
+	}
+	script := `import random, tempfile
+random.seed(7)
+a = random.random()
+tempfile._get_candidate_names()
+random.seed(7)
+` + ReseedCell + `
+assert random.random() != a, "random was not reseeded"
+assert tempfile._name_sequence is None, "tempfile keeps its names"
+assert "m" not in dir(), "the cell left a name behind"
+print("ok")
+`
+	out, err := exec.Command(python, "-c", script).CombinedOutput()
+	if err != nil || strings.TrimSpace(string(out)) != "ok" {
+		t.Fatalf("python3: %v: %s", err, out)
 	}
 }

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"kiln/internal/agentproto"
+	"kiln/internal/boxpolicy"
 )
 
 // Sentinel errors shared by every backend.
@@ -123,6 +124,11 @@ type Runtime struct {
 	Notes []string
 }
 
+// DefaultPreload is what kiln's servers preload when the configuration
+// says nothing (--preload): one list, so that a test of the default
+// template tests what users get.
+var DefaultPreload = []string{"numpy", "pandas", "matplotlib"}
+
 // Spec is what a new box must enforce.
 type Spec struct {
 	ID     string // unique, safe for file names; the backend may use it in paths
@@ -159,6 +165,19 @@ var DefaultLimits = Limits{
 	TmpBytes:       256 << 20,
 	Inodes:         65536,
 	OpenFiles:      1024,
+}
+
+// Plan is the box plan (boxpolicy.New) of a box with limits l whose
+// workspace belongs to uid and gid (-1: to whoever mounts it): what each
+// backend builds its boxes from.
+func (l Limits) Plan(uid, gid int) boxpolicy.Plan {
+	return boxpolicy.New(boxpolicy.Limits{
+		WorkspaceBytes: l.WorkspaceBytes,
+		TmpBytes:       l.TmpBytes,
+		Inodes:         l.Inodes,
+		Pids:           l.Pids,
+		OpenFiles:      l.OpenFiles,
+	}, uid, gid)
 }
 
 // WithDefaults fills zero fields from DefaultLimits.

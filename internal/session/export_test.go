@@ -1,6 +1,11 @@
 package session
 
-import "kiln/internal/agentproto"
+import (
+	"path/filepath"
+	"strings"
+
+	"kiln/internal/agentproto"
+)
 
 // HibernateNow hibernates the principal's session at once, as the reaper
 // does once it is idle past --hibernate-after (benchmarks, tests).
@@ -40,4 +45,24 @@ func (m *Manager) HeldJobBytes(principal string) int64 {
 		j.mu.Unlock()
 	}
 	return n
+}
+
+// StoreBytes is the bytes the store's account holds, and those of the
+// saves its tree holds on disk (every snap-* and n-* directory), counted
+// apart from it.
+func (m *Manager) StoreBytes() (tracked, onDisk int64) {
+	st, err := m.store()
+	if err != nil {
+		return -1, -1
+	}
+	st.mu.Lock()
+	tracked = st.total
+	st.mu.Unlock()
+	dirs, _ := filepath.Glob(filepath.Join(st.root, "p-*", "s-*", "*"))
+	for _, d := range dirs {
+		if name := filepath.Base(d); strings.HasPrefix(name, "snap-") || strings.HasPrefix(name, "n-") {
+			onDisk += dirSize(d)
+		}
+	}
+	return tracked, onDisk
 }

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"os"
 	"sort"
 	"strings"
 	"sync"
@@ -25,22 +24,16 @@ import (
 // older than CheckpointEvery, so that after kill -9 a session loses at most
 // the work of the last CheckpointEvery (plus one sweep of the reaper).
 //
-// On disk, each principal has a directory named by a hash of its name, and
-// each of its sessions one below it:
-//
-//	<Dir>/<sha256(principal)[:16] hex>/s-<session>/
-//	    owner              {"principal": …, "session": …}, checked on restore
-//	    snap-<unix ns>/    the newest complete snapshot (sandbox.SnapshotInfo manifest)
-//	    snap-<unix ns>.tmp/  one being written; never read
-//
-// Every directory is 0700 and every file 0600, owned by the user running
-// kiln (root): model code never sees them, and the host never decodes a
-// box's bytes (the snapshot format is sandbox's business). A session is
-// only ever restored for the principal named in its owner file.
+// Saves live in the snapshot store (store.go), beside named snapshots:
+// the newest save of a session is <session dir>/snap-<unix ns>/, and a
+// session is only ever restored for the principal named in its owner file.
 
 // HibernateOptions configure hibernation. An empty Dir turns it off.
 type HibernateOptions struct {
-	// Dir holds hibernated sessions (kiln uses <--state-dir>/hibernated).
+	// Dir turns hibernation on. The saves live in the snapshot store
+	// (store.go): under SnapshotOptions.StateDir when it is set (kiln sets
+	// both from --state-dir), else in Dir itself. What an older kiln
+	// hibernated in Dir is moved into the store at start.
 	Dir string
 	// After is how long a session stays idle before it is hibernated
 	// (DefaultHibernateAfter).
@@ -89,43 +82,6 @@ func (o *HibernateOptions) defaults() {
 	}
 }
 
-// Errors of hibernation.
-var (
-	// ErrHibernateQuota is a snapshot larger than the principal's quota.
-	ErrHibernateQuota = errors.New("the snapshot is larger than the hibernation quota")
-	// errNotOwner is a saved session whose owner file names another
-	// principal or session than the one asking for it.
-	errNotOwner = errors.New("the saved session belongs to someone else")
-)
-
-// PrepareStateDir creates dir (0700) if it is missing and checks that
-// only the user running kiln can reach it: hibernated sessions hold
-// whatever the boxes held.
-func PrepareStateDir(dir string) error {
-	if dir == "" {
-		return errors.New("no state directory given")
-	}
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return fmt.Errorf("creating state directory: %w", err)
-	}
-	fi, err := os.Lstat(dir)
-	if err != nil {
-		return fmt.Errorf("checking state directory: %w", err)
-	}
-	if !fi.IsDir() {
-		return fmt.Errorf("state directory %s is not a directory", dir)
-	}
-	if err := ownedByUs(dir, fi); err != nil {
-		return err
-	}
-	if fi.Mode().Perm()&0o077 != 0 {
-		if err := os.Chmod(dir, 0o700); err != nil {
-			return fmt.Errorf("making state directory %s private: %w", dir, err)
-		}
-	}
-	return nil
-}
-
 // hibState is what a Session knows of its saved state (guarded by its mu).
 type hibState struct {
 	// hibernated: the box was saved and destroyed; the next call resumes.
@@ -139,129 +95,6 @@ type hibState struct {
 	failed bool
 	// saving: a checkpoint is queued or running.
 	saving bool
-}
-
-// Session states for SessionList.
-const (
-	StateLive       = "live"       // it has a sandbox
-	StateNew        = "new"        // no sandbox yet, or since its last one was lost
-	StateHibernated = "hibernated" // saved to disk; the next call resumes it
-)
-
-// SessionInfo is one of a principal's sessions, live or saved.
-type SessionInfo struct {
-	Name  string
-	State string // StateLive, StateNew or StateHibernated
-	// Saved is when its newest snapshot on disk was taken, and Bytes the
-	// snapshot's size (zero: none).
-	Saved    time.Time
-	Bytes    int64
-	LastUsed time.Time // live sessions
-	// Unsaved: a call ran in the live session since its last save.
-	Unsaved bool
-}
-
-// SessionList returns the principal's sessions: those in memory and those
-// only on disk, by name.
-func (m *Manager) SessionList(principal string) []SessionInfo {
-	byName := map[string]SessionInfo{}
-	if m.hib != nil {
-		for _, si := range m.hib.list(principal) {
-			byName[si.Name] = si
-		}
-	}
-	m.mu.Lock()
-	for k, s := range m.sessions {
-		if k.principal != principal {
-			continue
-		}
-		si := byName[k.name]
-		si.Name = k.name
-		s.mu.Lock()
-		switch {
-		case s.asleep() && !si.Saved.IsZero():
-			si.State = StateHibernated
-		case s.asleep(): // its save expired
-			si.State, si.LastUsed = StateNew, s.lastUsed
-		case s.box != nil:
-			si.State, si.LastUsed = StateLive, s.lastUsed
-			si.Unsaved = m.hib != nil && s.hib.dirty
-		default:
-			si.State, si.LastUsed = StateNew, s.lastUsed
-			if !si.Saved.IsZero() && !s.hib.failed {
-				si.State = StateHibernated // on disk, not yet resumed
-			}
-		}
-		s.mu.Unlock()
-		byName[k.name] = si
-	}
-	m.mu.Unlock()
-	out := make([]SessionInfo, 0, len(byName))
-	for _, si := range byName {
-		out = append(out, si)
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
-	return out
-}
-
-// isLive reports whether the principal's session is in memory with state
-// that is not only on disk (it has a box, or will start a new one).
-func (m *Manager) isLive(principal, name string) bool {
-	m.mu.Lock()
-	s, ok := m.sessions[key{principal, name}]
-	m.mu.Unlock()
-	if !ok {
-		return false
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return !s.asleep()
-}
-
-// liveCounts counts the live sessions, not hibernated ones, in all and of
-// principal, leaving out except. Call it with m.mu held.
-func (m *Manager) liveCounts(principal string, except *Session) (total, owned int) {
-	for k, s := range m.sessions {
-		if s == except {
-			continue
-		}
-		s.mu.Lock()
-		asleep := s.asleep()
-		s.mu.Unlock()
-		if asleep {
-			continue
-		}
-		total++
-		if k.principal == principal {
-			owned++
-		}
-	}
-	return total, owned
-}
-
-// quotaFor is the error for one more live session of principal, or nil.
-// Call it with m.mu held.
-func (m *Manager) quotaFor(principal string, except *Session) error {
-	total, owned := m.liveCounts(principal, except)
-	if total >= m.opts.MaxSessions {
-		return &QuotaError{Limit: m.opts.MaxSessions, Flag: "max-sessions"}
-	}
-	if owned >= m.opts.MaxSessionsPerPrincipal {
-		return &QuotaError{Limit: m.opts.MaxSessionsPerPrincipal, Principal: true, Flag: "max-sessions-per-principal"}
-	}
-	return nil
-}
-
-// reapEvery is how often the reaper looks at the sessions.
-func (m *Manager) reapEvery() time.Duration {
-	d := min(m.opts.IdleTTL/4, time.Minute)
-	if h := m.hib; h != nil {
-		d = min(d, h.opts.After/4)
-		if h.opts.CheckpointEvery > 0 {
-			d = min(d, h.opts.CheckpointEvery/4)
-		}
-	}
-	return max(d, 10*time.Millisecond)
 }
 
 // hibernateIdle, on each round of the reaper: starts saving sessions idle
@@ -309,7 +142,7 @@ func (m *Manager) hibernateIdle() {
 			break // shutting down: the shutdown saves them
 		}
 	}
-	h.expire(m.isLive)
+	h.st.expire(h.opts.TTL)
 }
 
 // reapSavers bounds the saves the reaper runs at once.
@@ -356,6 +189,28 @@ func (h *hibernator) goSave(save func()) bool {
 	return true
 }
 
+// hibernator is hibernation's schedule: which sessions are saved when.
+// The saves themselves are the store's.
+type hibernator struct {
+	opts HibernateOptions
+	st   *store
+	wg   sync.WaitGroup // checkpoints and the reaper's saves in flight
+	// savers bound the reaper's saves in flight (hibernateIdle).
+	savers saverSlots
+	// stopping is set once shutdown has begun: no new checkpoint starts
+	// (wg.Add must not race with the shutdown's wg.Wait).
+	stopMu   sync.Mutex
+	stopping bool
+}
+
+// save snapshots box as the session's newest save, replacing its last.
+// live says which sessions are live, for what the save expires (nil: the
+// manager's sessions). Call it on the session's turn.
+func (h *hibernator) save(ctx context.Context, s *Session, box sandbox.Sandbox, live func(principal, name string) bool) (*sandbox.SnapshotInfo, error) {
+	_, info, err := h.st.save(ctx, box, saveReq{principal: s.principal, session: s.name, hib: true, live: live})
+	return info, err
+}
+
 // hibernate saves an idle session and destroys its box, if the session's
 // turn is free; the next call resumes it.
 func (m *Manager) hibernate(s *Session) {
@@ -365,6 +220,13 @@ func (m *Manager) hibernate(s *Session) {
 		return // a call is running; it is not idle after all
 	}
 	defer func() { s.turn <- struct{}{} }() // not release: hibernating is not a use
+	m.saveSession(s, true)
+}
+
+// saveSession saves a live session's box on the session's turn:
+// hibernating destroys the box once it is saved (the next call resumes
+// it), a checkpoint leaves it running.
+func (m *Manager) saveSession(s *Session, hibernate bool) {
 	s.mu.Lock()
 	box, busy := s.box, s.job != nil || s.closed
 	s.mu.Unlock()
@@ -373,15 +235,26 @@ func (m *Manager) hibernate(s *Session) {
 	}
 	ctx, cancel := m.saveContext()
 	defer cancel()
-	info, err := m.hib.save(ctx, s.principal, s.name, box, m.isLive)
-	if err != nil {
-		m.log.Warn("could not hibernate an idle session; it stays live until --idle-ttl", "session", s.name, "principal", s.principal, "err", err)
+	start := time.Now()
+	info, err := m.hib.save(ctx, s, box, nil)
+	if err != nil { // not retried until the next call
+		msg := "could not checkpoint a session"
+		if hibernate {
+			msg = "could not hibernate an idle session; it stays live until --idle-ttl"
+		}
+		m.log.Warn(msg, "session", s.name, "principal", s.principal, "err", err)
 		s.mu.Lock()
 		s.hib.failed = true
 		s.mu.Unlock()
 		return
 	}
 	s.mu.Lock()
+	if !hibernate {
+		s.hib.mark, s.hib.dirty = start, false
+		s.mu.Unlock()
+		m.log.Debug("session checkpointed", "session", s.name, "principal", s.principal, "bytes", info.Bytes, "took", time.Since(start))
+		return
+	}
 	if s.box == box {
 		s.box = nil
 	}
@@ -450,7 +323,7 @@ func (m *Manager) checkpoint(s *Session, background bool) {
 			return
 		}
 		defer func() { s.turn <- struct{}{} }()
-		m.saveLive(s)
+		m.saveSession(s, false)
 		return
 	}
 	run := func() {
@@ -463,37 +336,11 @@ func (m *Manager) checkpoint(s *Session, background bool) {
 			return
 		}
 		defer func() { s.turn <- struct{}{} }()
-		m.saveLive(s)
+		m.saveSession(s, false)
 	}
 	if !m.hib.goSave(run) {
 		done() // the shutdown saves it
 	}
-}
-
-// saveLive snapshots a live session's box, which keeps running. Call it on
-// the session's turn.
-func (m *Manager) saveLive(s *Session) {
-	s.mu.Lock()
-	box, busy := s.box, s.job != nil || s.closed
-	s.mu.Unlock()
-	if busy || box == nil || !alive(box) {
-		return
-	}
-	ctx, cancel := m.saveContext()
-	defer cancel()
-	start := time.Now()
-	info, err := m.hib.save(ctx, s.principal, s.name, box, m.isLive)
-	if err != nil { // not retried until the next call
-		m.log.Warn("could not checkpoint a session", "session", s.name, "principal", s.principal, "err", err)
-		s.mu.Lock()
-		s.hib.failed = true
-		s.mu.Unlock()
-		return
-	}
-	s.mu.Lock()
-	s.hib.mark, s.hib.dirty = start, false
-	s.mu.Unlock()
-	m.log.Debug("session checkpointed", "session", s.name, "principal", s.principal, "bytes", info.Bytes, "took", time.Since(start))
 }
 
 // hibernateAll saves the live sessions at shutdown, a few at a time, all
@@ -563,7 +410,7 @@ func (m *Manager) saveAtClose(ctx context.Context, s *Session) bool {
 	s.mu.Lock()
 	box := s.box
 	s.mu.Unlock()
-	info, err := m.hib.save(ctx, s.principal, s.name, box, func(string, string) bool { return true })
+	info, err := m.hib.save(ctx, s, box, func(string, string) bool { return true })
 	if err != nil {
 		m.log.Warn("could not hibernate a session at shutdown", "session", s.name, "principal", s.principal, "err", err)
 		return false
@@ -578,7 +425,7 @@ func (m *Manager) saveAtClose(ctx context.Context, s *Session) bool {
 // result (a failed resume gives a fresh box and a note saying why).
 func (s *Session) resume(ctx context.Context) (box sandbox.Sandbox, note string, err error) {
 	m, h := s.m, s.m.hib
-	snap, err := h.latest(s.principal, s.name)
+	snap, err := h.st.latest(s.principal, s.name)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
 		if s.wasHibernated() { // expired (--hibernate-ttl, --hibernate-quota) meanwhile
@@ -589,7 +436,7 @@ func (s *Session) resume(ctx context.Context) (box sandbox.Sandbox, note string,
 	case err != nil:
 		m.log.Warn("a saved session could not be read; starting a fresh sandbox", "session", s.name, "principal", s.principal, "err", err)
 		if !errors.Is(err, errNotOwner) {
-			h.remove(s.principal, s.name)
+			h.st.removeHib(s.principal, s.name)
 		}
 		s.clearHibernated()
 		return nil, fmt.Sprintf("this session's saved state could not be read (%v); %s: %s", err, msgNewBox, m.survived(true, true)), nil
@@ -613,7 +460,7 @@ func (s *Session) resume(ctx context.Context) (box sandbox.Sandbox, note string,
 			return nil, "", err
 		}
 		m.log.Warn("could not resume a saved session; starting a fresh sandbox", "session", s.name, "principal", s.principal, "err", err)
-		h.remove(s.principal, s.name)
+		h.st.removeHib(s.principal, s.name)
 		s.clearHibernated()
 		return nil, fmt.Sprintf("this session's saved state could not be restored (%v); %s: %s", err, msgNewBox, m.survived(true, true)), nil
 	}
@@ -697,7 +544,7 @@ func (m *Manager) hasSaved(principal, name string) bool {
 	if m.hib == nil || !ValidName(name) {
 		return false
 	}
-	_, err := m.hib.latest(principal, name)
+	_, err := m.hib.st.latest(principal, name)
 	return err == nil
 }
 
@@ -707,7 +554,7 @@ func (m *Manager) forgetSaved(principal, name string) bool {
 	if m.hib == nil {
 		return false
 	}
-	return m.hib.remove(principal, name)
+	return m.hib.st.removeHib(principal, name)
 }
 
 // wasHibernated reports whether the session's box was saved and destroyed.

@@ -403,9 +403,7 @@ func (m *Manager) newJob(req context.Context, principal, sessionName string) (*J
 	ctx, cancel := context.WithCancelCause(t.base)
 	j.cancel = cancel
 	ctx = sandbox.WithOutput(ctx, j.update)
-	if IsOffline(req) {
-		ctx = Offline(ctx)
-	}
+	ctx = withNetOf(ctx, req)
 	t.byID[j.id] = j
 	t.wg.Add(1)
 	return j, ctx, nil

@@ -28,6 +28,7 @@ const (
 	msgDiedMaybeOOM = "the sandbox died: its memory limit of %d MiB or a crash (this backend cannot tell which)"
 	msgProtocol     = "kiln destroyed the previous sandbox because it broke the agent protocol (a frame from it failed validation)"
 	msgUnanswered   = "kiln destroyed the previous sandbox because its agent stopped answering"
+	msgFaulted      = "kiln destroyed the previous sandbox because kiln itself faulted on a call to it"
 	msgPrevDied     = "the previous sandbox died between calls: %s"
 	msgNewBox       = "this call runs in a new one"
 
@@ -200,6 +201,8 @@ func lostReason(err error) string {
 		return msgProtocol
 	case errors.Is(err, sandbox.ErrUnresponsive):
 		return msgUnanswered
+	case errors.Is(err, errFaulted):
+		return msgFaulted
 	}
 	return ""
 }

@@ -7,20 +7,47 @@ import (
 	"kiln/internal/sandbox"
 )
 
-type offlineKey struct{}
+type netKey struct{}
+
+// netRule is what a call's client may reach: nothing (offline), or the
+// hosts of its own allowlist (within the server's).
+type netRule struct {
+	offline bool
+	hosts   []string // nil: the server's allowlist, unnarrowed
+}
 
 // Offline marks ctx as the context of a call for a client that may not
 // use the network: the box the call runs in is cut off from the network
 // first (sandbox.NetworkCutter), for good. A session box once cut stays
 // cut; reset_session gives the session a fresh box.
 func Offline(ctx context.Context) context.Context {
-	return context.WithValue(ctx, offlineKey{}, true)
+	return context.WithValue(ctx, netKey{}, netRule{offline: true})
+}
+
+// WithNetwork marks ctx as the context of a call for a client whose
+// allowlist the operator set: the box the call runs in is narrowed to
+// hosts first (sandbox.NetworkCutter.RestrictNetwork), for good. An
+// empty hosts is Offline.
+func WithNetwork(ctx context.Context, hosts []string) context.Context {
+	if len(hosts) == 0 {
+		return Offline(ctx)
+	}
+	return context.WithValue(ctx, netKey{}, netRule{hosts: hosts})
 }
 
 // IsOffline reports whether ctx was marked by Offline.
 func IsOffline(ctx context.Context) bool {
-	off, _ := ctx.Value(offlineKey{}).(bool)
-	return off
+	r, _ := ctx.Value(netKey{}).(netRule)
+	return r.offline
+}
+
+// withNetOf gives ctx the network mark of from, for work that outlives
+// the request that started it (a background job).
+func withNetOf(ctx, from context.Context) context.Context {
+	if r, ok := from.Value(netKey{}).(netRule); ok {
+		return context.WithValue(ctx, netKey{}, r)
+	}
+	return ctx
 }
 
 // The mark is applied where a box is acquired, not by the tools: getBox,
@@ -39,19 +66,28 @@ func cutOrClose(ctx context.Context, box sandbox.Sandbox) (sandbox.Sandbox, erro
 	return box, nil
 }
 
-// cutIfOffline cuts box's network when ctx is offline. Boxes that cannot
-// be cut have no network to cut: only the jail attaches boxes to the
-// egress gateway, and the other backends refuse an allowlist.
+// cutIfOffline cuts box's network when ctx is offline, and narrows it to
+// the client's allowlist when ctx has one. Boxes that cannot be cut have
+// no network to cut: every backend that attaches boxes to the egress
+// gateway implements sandbox.NetworkCutter, and the rest refuse an
+// allowlist (sandboxtest.Egress checks the first).
 func cutIfOffline(ctx context.Context, box sandbox.Sandbox) error {
-	if !IsOffline(ctx) {
+	r, ok := ctx.Value(netKey{}).(netRule)
+	if !ok {
 		return nil
 	}
 	c, ok := inner(box).(sandbox.NetworkCutter)
 	if !ok {
 		return nil
 	}
-	if err := c.CutNetwork(); err != nil {
-		return fmt.Errorf("cutting the sandbox off the network: %w", err)
+	if r.offline {
+		if err := c.CutNetwork(); err != nil {
+			return fmt.Errorf("cutting the sandbox off the network: %w", err)
+		}
+		return nil
+	}
+	if err := c.RestrictNetwork(r.hosts); err != nil {
+		return fmt.Errorf("narrowing the sandbox's network to the client's allowlist: %w", err)
 	}
 	return nil
 }

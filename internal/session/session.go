@@ -10,7 +10,6 @@ import (
 	"log/slog"
 	"regexp"
 	"runtime/debug"
-	"sort"
 	"sync"
 	"time"
 
@@ -68,7 +67,7 @@ type Options struct {
 	// StateQuota caps the bytes on disk of every principal's snapshots
 	// and hibernated sessions together (DefaultStateQuota): each
 	// principal's own quotas bound nothing in all when every OIDC subject
-	// is a new principal (statecap.go).
+	// is a new principal (store.go).
 	StateQuota int64
 }
 
@@ -196,10 +195,9 @@ type Manager struct {
 	wg       sync.WaitGroup
 	// destroying counts per-call boxes being destroyed after their call.
 	destroying sync.WaitGroup
-	jobs       jobTable // background jobs (jobs.go)
-	snaps      snapStore
+	jobs       jobTable    // background jobs (jobs.go)
+	saves      storeOnce   // snapshots and hibernated sessions (store.go)
 	hib        *hibernator // nil: sessions are not saved (hibernate.go)
-	state      *stateCap   // the cap on all saved state (statecap.go)
 }
 
 // NewManager starts the pool and the idle reaper.
@@ -217,15 +215,12 @@ func NewManager(opts Options) *Manager {
 	m.pool = newPool(opts.Backend, spec, PoolOptions{Size: opts.PoolSize, Concurrency: opts.PoolWorkers, Logger: opts.Logger, Observer: opts.Observer}, m.slots)
 	m.warnOvercommit()
 	m.jobs.init()
-	m.state = &stateCap{max: opts.StateQuota, m: m}
 	if opts.Hibernate.Dir != "" && opts.Mode == ModeSession {
-		h, err := newHibernator(opts.Hibernate, opts.Limits, opts.Logger)
-		if err != nil {
+		if st, err := m.store(); err != nil {
 			m.log.Error("sessions will not be hibernated", "err", err)
 		} else {
-			h.state = m.state
+			m.hib = &hibernator{opts: opts.Hibernate, st: st}
 		}
-		m.hib = h
 	}
 	m.wg.Add(1)
 	go m.reap()
@@ -242,40 +237,6 @@ func (m *Manager) Timeout(seconds float64) time.Duration {
 	}
 	d := time.Duration(seconds * float64(time.Second))
 	return min(d, m.opts.MaxTimeout)
-}
-
-func (m *Manager) reap() {
-	defer m.wg.Done()
-	t := time.NewTicker(m.reapEvery())
-	defer t.Stop()
-	for {
-		select {
-		case <-m.stop:
-			return
-		case <-t.C:
-		}
-		if m.hib != nil {
-			m.hibernateIdle()
-		}
-		m.mu.Lock()
-		var idle []*Session
-		for k, s := range m.sessions {
-			if s.idleSince(m.opts.IdleTTL) && s.expirable() {
-				delete(m.sessions, k)
-				idle = append(idle, s)
-			}
-		}
-		m.mu.Unlock()
-		for _, s := range idle {
-			if s.wasHibernated() { // its state is on disk; only the name is forgotten here
-				s.close()
-				continue
-			}
-			m.log.Info("session expired", "session", s.name, "principal", s.principal)
-			m.observeSession(event.SessionExpire, s)
-			s.close()
-		}
-	}
 }
 
 // Get returns the principal's session called name, creating it.
@@ -344,20 +305,6 @@ func (m *Manager) Reset(principal, name string) bool {
 	return ok || saved
 }
 
-// Sessions lists the principal's session names.
-func (m *Manager) Sessions(principal string) []string {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	var out []string
-	for k := range m.sessions {
-		if k.principal == principal {
-			out = append(out, k.name)
-		}
-	}
-	sort.Strings(out)
-	return out
-}
-
 // Close destroys every session and the pool.
 func (m *Manager) Close() {
 	m.mu.Lock()
@@ -392,7 +339,7 @@ func (m *Manager) Close() {
 	m.pool.Close()
 	m.destroying.Wait()
 	m.jobs.wait()
-	m.closeSnapshots()
+	m.saves.close()
 }
 
 // Outcome is what one call produced, with what kiln did about it.
@@ -663,7 +610,8 @@ func (s *Session) settle(box sandbox.Sandbox, out *Outcome, err error, fresh boo
 
 func (s *Session) after(box sandbox.Sandbox, err error) {
 	lost := ""
-	if err != nil && !alive(box) {
+	// A box kiln faulted on was closed, but may not be done dying yet.
+	if err != nil && (!alive(box) || errors.Is(err, errFaulted)) {
 		lost = lostReason(err)
 	}
 	h := hits(box)
@@ -677,6 +625,19 @@ func (s *Session) after(box sandbox.Sandbox, err error) {
 		box.Close()
 	}
 }
+
+// errFaulted is a call on whose path kiln itself panicked (faultError):
+// its box was destroyed, and the session must not use it again, whether
+// or not the box has finished dying by the next call.
+var errFaulted = errors.New("kiln faulted running the call")
+
+type faultError struct{ v any }
+
+func (e faultError) Error() string {
+	return fmt.Sprintf("kiln faulted running the call (%v); its sandbox was destroyed", e.v)
+}
+
+func (e faultError) Is(target error) bool { return target == errFaulted }
 
 type runFunc func(context.Context, sandbox.Sandbox) (*agentproto.ExecResult, error)
 
@@ -701,7 +662,7 @@ func (m *Manager) runBounded(ctx context.Context, box sandbox.Sandbox, timeout t
 			if v := recover(); v != nil {
 				m.log.Error("panic running a call", "panic", v, "stack", string(debug.Stack()))
 				box.Close()
-				done <- runResult{err: fmt.Errorf("kiln faulted running the call (%v); its sandbox was destroyed", v)}
+				done <- runResult{err: faultError{v}}
 			}
 		}()
 		res, err := run(callCtx, box)

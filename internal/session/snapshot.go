@@ -2,9 +2,6 @@ package session
 
 import (
 	"context"
-	"crypto/rand"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"os"
@@ -25,11 +22,10 @@ import (
 // reseeded. Running processes, open files and sockets are not kept; what
 // could not be saved is named.
 //
-// Snapshots live on disk, under a root only root can read (0700):
-// <root>/<principal digest>/s-<session>/n-<name>/. The root is
-// <state dir>/snapshots with a state directory, which keeps them across
-// restarts, else a private temporary directory removed at Close. The
-// directory tree is the index: there is no other record to lose.
+// Snapshots live in the snapshot store (store.go), beside hibernated
+// sessions: <session dir>/n-<name>/. With a state directory they are kept
+// across restarts; else the store is a private temporary directory
+// removed at Close.
 
 // SnapshotOptions configure snapshots; zero values mean defaults.
 type SnapshotOptions struct {
@@ -70,172 +66,30 @@ var (
 	ErrNothingToSave   = errors.New("the session has no sandbox right now: there is nothing to save (run something in it first)")
 )
 
-// snapStore is where a Manager keeps snapshots, made on first use.
-type snapStore struct {
-	once    sync.Once
-	root    string
-	private bool
-	err     error
-	// locks serialize one principal's quota checks with the writes they
-	// allow. They are per principal: a box that stalls its own save (a
-	// __reduce__ that sleeps) holds up only its principal's snapshots.
-	locks keyedMutex
-	// claims are the bytes that saves in flight hold against their
-	// principal's quota, by the temporary directory each writes: the
-	// size its box declared, claimed before a byte is written. Changed
-	// with the principal's lock held.
-	claimMu sync.Mutex
-	claims  map[string]snapClaim
+// storeOnce is the manager's store, opened on first use (at start with
+// hibernation): without a state directory it is a temporary directory,
+// made only if a snapshot is taken.
+type storeOnce struct {
+	once sync.Once
+	st   *store
+	err  error
 }
 
-type snapClaim struct {
-	principal string
-	bytes     int64
-}
-
-// snapUsed is what the principal's snapshots take: the bytes on disk,
-// but for the temporary directories of saves in flight, whose claims
-// count instead. Call it with the principal's lock held.
-func (m *Manager) snapUsed(root, principal string) int64 {
-	st := &m.snaps
-	skip := map[string]bool{}
-	var claimed int64
-	st.claimMu.Lock()
-	for dir, c := range st.claims {
-		if c.principal == principal {
-			skip[dir] = true
-			claimed += c.bytes
-		}
-	}
-	st.claimMu.Unlock()
-	return treeBytes(principalDir(root, principal), skip) + claimed
-}
-
-// snapClaim returns the budget of a save of principal's into tmp (see
-// sandbox.WithSnapshotBudget): the size its box declares is claimed
-// against the principal's quota before any of it is written, and refused
-// over it. release forgets the claim; call it once tmp is kept under
-// another name or removed. what names the save in the error.
-func (m *Manager) snapClaim(root, principal, tmp, what string) (claim func(int64) error, release func()) {
-	st := &m.snaps
-	claim = func(n int64) error {
-		defer st.locks.lock(principal)()
-		return m.claimLocked(root, principal, tmp, n, what)
-	}
-	release = func() {
-		defer st.locks.lock(principal)()
-		st.claimMu.Lock()
-		delete(st.claims, tmp)
-		st.claimMu.Unlock()
-		m.state.release(tmp)
-	}
-	return claim, release
-}
-
-// claimLocked claims n bytes for the save into tmp if they fit in the
-// principal's quota, replacing what it claimed before. Call it with the
-// principal's lock held.
-func (m *Manager) claimLocked(root, principal, tmp string, n int64, what string) error {
-	st := &m.snaps
-	st.claimMu.Lock()
-	if st.claims == nil {
-		st.claims = make(map[string]snapClaim)
-	}
-	st.claims[tmp] = snapClaim{principal: principal}
-	st.claimMu.Unlock()
-	quota := m.opts.Snapshots.Quota
-	if used := m.snapUsed(root, principal); used+n > quota {
-		return fmt.Errorf("%w: %s (%d bytes) would take your snapshots to %d of %d bytes (--snapshot-quota); delete_snapshot one you no longer need", ErrSnapshotQuota, what, n, used+n, quota)
-	}
-	if err := m.state.claim(tmp, n, key{}); err != nil {
-		return err
-	}
-	st.claimMu.Lock()
-	st.claims[tmp] = snapClaim{principal: principal, bytes: n}
-	st.claimMu.Unlock()
-	return nil
-}
-
-// keyedMutex is one mutex per key, forgotten while no one holds or waits
-// for it.
-type keyedMutex struct {
-	mu sync.Mutex
-	m  map[string]*keyedEntry
-}
-
-type keyedEntry struct {
-	sync.Mutex
-	refs int
-}
-
-// lock locks key's mutex and returns what unlocks it.
-func (k *keyedMutex) lock(key string) (unlock func()) {
-	k.mu.Lock()
-	if k.m == nil {
-		k.m = make(map[string]*keyedEntry)
-	}
-	e := k.m[key]
-	if e == nil {
-		e = &keyedEntry{}
-		k.m[key] = e
-	}
-	e.refs++
-	k.mu.Unlock()
-	e.Lock()
-	return func() {
-		e.Unlock()
-		k.mu.Lock()
-		if e.refs--; e.refs == 0 {
-			delete(k.m, key)
-		}
-		k.mu.Unlock()
-	}
-}
-
-func (m *Manager) snapRoot() (string, error) {
-	st := &m.snaps
-	st.once.Do(func() {
-		o := m.opts.Snapshots
-		if o.StateDir != "" {
-			st.root = filepath.Join(o.StateDir, "snapshots")
-			if st.err = os.MkdirAll(st.root, 0o700); st.err == nil {
-				st.err = os.Chmod(st.root, 0o700)
-			}
-		} else {
-			st.root, st.err = os.MkdirTemp("", "kiln-snapshots-")
-			st.private = true
-		}
-		if st.err != nil {
-			st.err = fmt.Errorf("making the snapshot directory: %w", st.err)
-		}
+// store returns the manager's store, opening it on first use.
+func (m *Manager) store() (*store, error) {
+	o := &m.saves
+	o.once.Do(func() {
+		o.st, o.err = openStore(m.storeConfig())
 	})
-	return st.root, st.err
+	return o.st, o.err
 }
 
-// closeSnapshots removes a private snapshot directory.
-func (m *Manager) closeSnapshots() {
-	st := &m.snaps
-	st.once.Do(func() {}) // none made after Close
-	if st.private && st.root != "" {
-		os.RemoveAll(st.root)
+// close removes a private store; none is opened after it.
+func (o *storeOnce) close() {
+	o.once.Do(func() { o.err = ErrShutdown })
+	if o.st != nil {
+		o.st.close()
 	}
-}
-
-// principalDir is the principal's directory: a digest, so that any
-// principal name is a safe file name and none can name another's.
-func principalDir(root, principal string) string {
-	h := sha256.Sum256([]byte("kiln-principal\x00" + principal))
-	return filepath.Join(root, "p-"+hex.EncodeToString(h[:16]))
-}
-
-// sessionDir is a session's snapshot directory. Session and snapshot names
-// pass ValidName, which allows "." and "..": the prefix keeps them names.
-func sessionDir(root, principal, session string) string {
-	return filepath.Join(principalDir(root, principal), "s-"+session)
-}
-
-func snapDir(root, principal, session, name string) string {
-	return filepath.Join(sessionDir(root, principal, session), "n-"+name)
 }
 
 // SnapshotEntry describes one kept snapshot.
@@ -257,11 +111,15 @@ func (m *Manager) Snapshots(principal, session string) ([]SnapshotEntry, error) 
 	if !ValidName(session) {
 		return nil, ErrBadName
 	}
-	root, err := m.snapRoot()
+	st, err := m.store()
 	if err != nil {
 		return nil, err
 	}
-	return listSnapshots(sessionDir(root, principal, session)), nil
+	dir := st.sessionDir(principal, session)
+	if checkOwner(dir, principal, session, true) != nil {
+		return nil, nil
+	}
+	return listSnapshots(dir), nil
 }
 
 func listSnapshots(dir string) []SnapshotEntry {
@@ -281,32 +139,13 @@ func listSnapshots(dir string) []SnapshotEntry {
 		path := filepath.Join(dir, e.Name())
 		info, err := sandbox.ReadManifest(path)
 		if err != nil {
-			out = append(out, SnapshotEntry{Name: name, SnapshotInfo: &sandbox.SnapshotInfo{Bytes: treeBytes(path, nil)}, Unreadable: err.Error()})
+			out = append(out, SnapshotEntry{Name: name, SnapshotInfo: &sandbox.SnapshotInfo{Bytes: dirSize(path)}, Unreadable: err.Error()})
 			continue
 		}
 		out = append(out, SnapshotEntry{Name: name, SnapshotInfo: info})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Created.Before(out[j].Created) })
 	return out
-}
-
-// treeBytes is the bytes of the regular files under dir, leaving out the
-// directories in skip.
-func treeBytes(dir string, skip map[string]bool) int64 {
-	var n int64
-	filepath.WalkDir(dir, func(path string, d os.DirEntry, err error) error {
-		switch {
-		case err != nil:
-		case d.IsDir() && skip[path]:
-			return filepath.SkipDir
-		case d.Type().IsRegular():
-			if fi, err := d.Info(); err == nil {
-				n += fi.Size()
-			}
-		}
-		return nil
-	})
-	return n
 }
 
 // DeleteSnapshot removes one of the principal's snapshots of session.
@@ -317,49 +156,15 @@ func (m *Manager) DeleteSnapshot(principal, session, name string) error {
 	if !ValidName(session) || !ValidName(name) {
 		return ErrBadName
 	}
-	root, err := m.snapRoot()
+	st, err := m.store()
 	if err != nil {
 		return err
 	}
-	dir := snapDir(root, principal, session, name)
-	if _, err := os.Lstat(dir); err != nil {
+	dir := st.snapDir(principal, session, name)
+	if _, err := os.Lstat(dir); err != nil || checkOwner(filepath.Dir(dir), principal, session, true) != nil {
 		return fmt.Errorf("%w %q of session %q", ErrNoSnapshot, name, session)
 	}
-	return os.RemoveAll(dir)
-}
-
-// snapshotter is the session box's ability to save itself, or an error
-// that names the backend.
-func (m *Manager) snapshotter(box sandbox.Sandbox) (sandbox.Snapshotter, error) {
-	if s, ok := inner(box).(sandbox.Snapshotter); ok {
-		return s, nil
-	}
-	return nil, fmt.Errorf("%w on the %s backend: its boxes cannot save their state", ErrNoSnapshotBoxes, m.opts.Backend.Name())
-}
-
-// saveTo snapshots box into a new directory dir (its parent exists).
-func (m *Manager) saveTo(ctx context.Context, box sandbox.Sandbox, dir string) (*sandbox.SnapshotInfo, error) {
-	sn, err := m.snapshotter(box)
-	if err != nil {
-		return nil, err
-	}
-	if err := os.Mkdir(dir, 0o700); err != nil {
-		return nil, fmt.Errorf("making the snapshot directory: %w", err)
-	}
-	ctx = sandbox.WithSnapshotLimit(ctx, sandbox.SnapshotLimitFor(m.opts.Limits))
-	info, err := sn.Snapshot(ctx, dir)
-	if err != nil {
-		os.RemoveAll(dir)
-		return nil, err
-	}
-	if info.Backend == "" {
-		info.Backend = m.opts.Backend.Name()
-		if err := sandbox.WriteManifest(dir, info); err != nil {
-			os.RemoveAll(dir)
-			return nil, err
-		}
-	}
-	return info, nil
+	return st.remove(dir)
 }
 
 // loadBox takes a fresh box and loads the snapshot in dir into it.
@@ -379,12 +184,6 @@ func (m *Manager) loadBox(ctx context.Context, dir string) (sandbox.Sandbox, []s
 	return box, dropped, nil
 }
 
-func tempName() string {
-	b := make([]byte, 8)
-	rand.Read(b)
-	return ".tmp-" + hex.EncodeToString(b)
-}
-
 // Snapshot saves the session's state as the snapshot called name,
 // replacing one of that name. The session keeps running.
 func (s *Session) Snapshot(ctx context.Context, name string) (*sandbox.SnapshotInfo, error) {
@@ -392,15 +191,14 @@ func (s *Session) Snapshot(ctx context.Context, name string) (*sandbox.SnapshotI
 	if !ValidName(name) {
 		return nil, fmt.Errorf("snapshot names: %w", ErrBadName)
 	}
-	root, err := m.snapRoot()
+	st, err := m.store()
 	if err != nil {
 		return nil, err
 	}
 	o := m.opts.Snapshots
-	sdir := sessionDir(root, s.principal, s.name)
 	var info *sandbox.SnapshotInfo
 	err = s.WithLiveBox(ctx, func(box sandbox.Sandbox) error {
-		kept := listSnapshots(sdir)
+		kept := listSnapshots(st.sessionDir(s.principal, s.name))
 		replacing := false
 		for _, e := range kept {
 			replacing = replacing || e.Name == name
@@ -412,43 +210,21 @@ func (s *Session) Snapshot(ctx context.Context, name string) (*sandbox.SnapshotI
 			}
 			return fmt.Errorf("%w: it keeps %d (--max-snapshots): %s. Snapshot under one of these names to replace it, or delete_snapshot one", ErrSnapshotsFull, o.Max, strings.Join(names, ", "))
 		}
-		unlock := m.snaps.locks.lock(s.principal)
-		used := m.snapUsed(root, s.principal)
-		unlock()
-		if used >= o.Quota {
+		if used := st.namedUsed(s.principal); used >= o.Quota {
 			return fmt.Errorf("%w: %d of %d bytes (--snapshot-quota); delete_snapshot one you no longer need", ErrSnapshotQuota, used, o.Quota)
 		}
-		if err := os.MkdirAll(sdir, 0o700); err != nil {
-			return fmt.Errorf("making the snapshot directory: %w", err)
-		}
-		tmp := filepath.Join(sdir, tempName())
-		claim, release := m.snapClaim(root, s.principal, tmp, "this snapshot")
-		defer release()
-		if info, err = m.saveTo(sandbox.WithSnapshotBudget(ctx, claim), box, tmp); err != nil {
-			return err
-		}
-		// The manifest, or a box without a budget, may take more than
-		// was claimed: what is kept must fit too.
-		defer m.snaps.locks.lock(s.principal)()
-		if err := m.claimLocked(root, s.principal, tmp, info.Bytes, "this snapshot"); err != nil {
-			os.RemoveAll(tmp)
-			return err
-		}
-		dst := snapDir(root, s.principal, s.name, name)
-		os.RemoveAll(dst)
-		if err := os.Rename(tmp, dst); err != nil {
-			os.RemoveAll(tmp)
-			return fmt.Errorf("keeping the snapshot: %w", err)
-		}
-		return nil
+		var err error
+		_, info, err = st.save(ctx, box, saveReq{principal: s.principal, session: s.name, name: name})
+		return err
 	})
 	if errors.Is(err, ErrNoBox) {
 		return nil, ErrNothingToSave
 	}
-	if err == nil {
-		m.observeSession(event.SessionSnapshot, s)
+	if err != nil {
+		return nil, err
 	}
-	return info, err
+	m.observeSession(event.SessionSnapshot, s)
+	return info, nil
 }
 
 // RestoreReport is what a rollback or a fork did.
@@ -467,12 +243,18 @@ func (s *Session) Restore(ctx context.Context, name string) (*RestoreReport, err
 	if !ValidName(name) {
 		return nil, fmt.Errorf("snapshot names: %w", ErrBadName)
 	}
-	root, err := m.snapRoot()
+	st, err := m.store()
 	if err != nil {
 		return nil, err
 	}
-	dir := snapDir(root, s.principal, s.name, name)
+	dir := st.snapDir(s.principal, s.name, name)
 	info, err := sandbox.ReadManifest(dir)
+	if err == nil {
+		err = checkOwner(filepath.Dir(dir), s.principal, s.name, true)
+	}
+	if errors.Is(err, errNotOwner) {
+		err = os.ErrNotExist
+	}
 	if err != nil {
 		if errors.Is(err, os.ErrNotExist) {
 			return nil, fmt.Errorf("%w %q of session %q; list_snapshots shows those it has", ErrNoSnapshot, name, s.name)
@@ -533,27 +315,21 @@ func (m *Manager) Fork(ctx context.Context, principal, src, dst string) (*Restor
 	if _, ok := m.Lookup(principal, dst); ok {
 		return nil, fmt.Errorf("%w: %q; choose another name, or reset_session it first", ErrSnapshotExists, dst)
 	}
-	root, err := m.snapRoot()
+	st, err := m.store()
 	if err != nil {
 		return nil, err
 	}
-	pdir := principalDir(root, principal)
-	if err := os.MkdirAll(pdir, 0o700); err != nil {
-		return nil, fmt.Errorf("making the snapshot directory: %w", err)
-	}
 	// The copy counts against the principal's quota while it exists.
-	tmp := filepath.Join(pdir, tempName())
-	const what = "the fork's temporary copy of the session"
-	claim, release := m.snapClaim(root, principal, tmp, what)
-	defer release()
-	defer os.RemoveAll(tmp)
+	var tmp string
 	var info *sandbox.SnapshotInfo
 	err = from.WithLiveBox(ctx, func(box sandbox.Sandbox) error {
-		if info, err = m.saveTo(sandbox.WithSnapshotBudget(ctx, claim), box, tmp); err != nil {
-			return err
-		}
-		return claim(info.Bytes)
+		var err error
+		tmp, info, err = st.save(ctx, box, saveReq{principal: principal, session: src, fork: true})
+		return err
 	})
+	if tmp != "" {
+		defer st.forget(tmp)
+	}
 	if errors.Is(err, ErrNoBox) {
 		return nil, fmt.Errorf("session %q: %w", src, ErrNothingToSave)
 	}

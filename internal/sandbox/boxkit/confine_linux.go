@@ -7,14 +7,14 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"syscall"
 	"unsafe"
 
 	"golang.org/x/net/bpf"
 	"golang.org/x/sys/unix"
 
-	"kiln/internal/sandbox"
-	"kiln/internal/sandbox/boxplan"
+	"kiln/internal/boxpolicy"
 )
 
 // A runtime kiln runs on the host for a box (QEMU for a microVM, Deno for
@@ -43,7 +43,19 @@ const ConfineInitArg = "__kiln_confine_init"
 // ConfinedHostDirs are the host paths a confined program's root gets
 // read-only: its libraries, modules and firmware. A path that is a symlink
 // on the host (merged /usr) becomes the same symlink.
-var ConfinedHostDirs = append(append([]string{}, boxplan.RuntimeDirs...), "/etc/ld.so.cache")
+var ConfinedHostDirs = append(append([]string{}, boxpolicy.RuntimeDirs...), "/etc/ld.so.cache")
+
+// ConfinedSees reports whether a confined program's root shows the host
+// path p (symlinks resolved) without a Bind of its own: it lies beneath
+// one of the ConfinedHostDirs that is a directory on this host.
+func ConfinedSees(p string) bool {
+	for _, d := range ConfinedHostDirs {
+		if fi, err := os.Lstat(d); err == nil && fi.IsDir() && strings.HasPrefix(p, d+"/") {
+			return true
+		}
+	}
+	return false
+}
 
 // confinedDevices are the host device nodes bound into the root, read-only
 // mounts (which do not stop a device from being opened for writing).
@@ -65,7 +77,7 @@ type Confined struct {
 	Proc bool
 	// Seccomp is the program's syscall filter; nil for none (QEMU
 	// applies its own).
-	Seccomp []sandbox.SyscallRule
+	Seccomp []boxpolicy.SyscallRule
 	// SeccompNotify makes the calls Seccomp's rules do not name, which
 	// it refuses with ENOSYS, wait for a seccomp user notification
 	// instead; the init then waits, before it execs the program, until
@@ -163,7 +175,7 @@ func (c Confined) Command(self *os.File) (_ *exec.Cmd, opened []*os.File, _ erro
 		}
 		f, err := detachedBind(b)
 		if err != nil {
-			closeFiles(opened)
+			CloseFiles(opened)
 			return nil, nil, err
 		}
 		opened = append(opened, f)
@@ -172,7 +184,7 @@ func (c Confined) Command(self *os.File) (_ *exec.Cmd, opened []*os.File, _ erro
 	}
 	js, err := json.Marshal(cfg)
 	if err != nil {
-		closeFiles(opened)
+		CloseFiles(opened)
 		return nil, nil, err
 	}
 	cmd := exec.Command(fmt.Sprintf("/proc/self/fd/%d", selfFD), ConfineInitArg, string(js))
@@ -205,7 +217,9 @@ func (c Confined) Command(self *os.File) (_ *exec.Cmd, opened []*os.File, _ erro
 	return cmd, opened, nil
 }
 
-func closeFiles(fs []*os.File) {
+// CloseFiles closes each of fs (nil ones are fine: os.File.Close
+// returns an error for them, which is dropped).
+func CloseFiles(fs []*os.File) {
 	for _, f := range fs {
 		f.Close()
 	}
@@ -262,7 +276,7 @@ func buildConfinedRoot(cfg *confineConfig) error {
 		return err
 	}
 	var held []*os.File
-	defer func() { closeFiles(held) }()
+	defer func() { CloseFiles(held) }()
 	for i, m := range cfg.Mounts {
 		if !m.Detach {
 			continue
@@ -377,10 +391,10 @@ func dropConfinedPrivileges(*confineConfig) error {
 	if err := unix.Prctl(unix.PR_SET_SECUREBITS, confineSecurebits, 0, 0, 0); err != nil {
 		return fmt.Errorf("setting securebits: %w", err)
 	}
-	if err := boxplan.DropBounding(0); err != nil {
+	if err := DropBounding(0); err != nil {
 		return err
 	}
-	if err := boxplan.SetCaps(0, 0); err != nil {
+	if err := SetCaps(0, 0); err != nil {
 		return err
 	}
 	return unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)

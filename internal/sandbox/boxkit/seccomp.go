@@ -5,14 +5,14 @@ import (
 	"fmt"
 	"slices"
 
+	"kiln/internal/boxpolicy"
+
 	"github.com/elastic/go-seccomp-bpf/arch"
 	"golang.org/x/net/bpf"
-
-	"kiln/internal/sandbox"
 )
 
-// A seccomp program assembled from a syscall policy (sandbox.SyscallPolicy,
-// sandbox.DenoSyscallPolicy). It is written out here rather than by a
+// A seccomp program assembled from a syscall policy (boxpolicy.SyscallPolicy,
+// boxpolicy.DenoSyscallPolicy). It is written out here rather than by a
 // filter library so that every entry into the kernel is decided by kiln: a
 // library that jumps to its default action for a foreign architecture
 // turns a denylist into nothing for the i386 entry, and compares int
@@ -57,11 +57,11 @@ const (
 	offArgs = 16
 )
 
-func seccompRet(a sandbox.SyscallAction) uint32 {
+func seccompRet(a boxpolicy.SyscallAction) uint32 {
 	switch a {
-	case sandbox.Allow:
+	case boxpolicy.Allow:
 		return seccompRetAllow
-	case sandbox.Deny:
+	case boxpolicy.Deny:
 		return seccompRetErrno | errnoEPERM
 	default:
 		return seccompRetErrno | errnoENOSYS
@@ -69,8 +69,8 @@ func seccompRet(a sandbox.SyscallAction) uint32 {
 }
 
 // notifyRet allows what the policy allows and notifies the rest.
-func notifyRet(a sandbox.SyscallAction) uint32 {
-	if a == sandbox.Allow {
+func notifyRet(a boxpolicy.SyscallAction) uint32 {
+	if a == boxpolicy.Allow {
 		return seccompRetAllow
 	}
 	return seccompRetUserNotif
@@ -78,7 +78,7 @@ func notifyRet(a sandbox.SyscallAction) uint32 {
 
 // seccompInsts assembles policy for the architecture info names: a rule
 // returns ret of its action, a call no rule matches gets none.
-func seccompInsts(info *arch.Info, policy []sandbox.SyscallRule, ret func(sandbox.SyscallAction) uint32, none uint32) ([]bpf.Instruction, error) {
+func seccompInsts(info *arch.Info, policy []boxpolicy.SyscallRule, ret func(boxpolicy.SyscallAction) uint32, none uint32) ([]bpf.Instruction, error) {
 	prog := []bpf.Instruction{
 		bpf.LoadAbsolute{Off: offArch, Size: 4},
 		bpf.JumpIf{Cond: bpf.JumpEqual, Val: uint32(info.ID), SkipTrue: 1},
@@ -93,7 +93,7 @@ func seccompInsts(info *arch.Info, policy []sandbox.SyscallRule, ret func(sandbo
 	}
 	// The rules of each syscall, in the order the policy names them.
 	var order []int
-	rules := map[int][]sandbox.SyscallRule{}
+	rules := map[int][]boxpolicy.SyscallRule{}
 	for _, r := range policy {
 		for _, name := range r.Names {
 			nr, ok := info.SyscallNames[name]
@@ -171,7 +171,7 @@ func seccompInsts(info *arch.Info, policy []sandbox.SyscallRule, ret func(sandbo
 
 // syscallBlock is the code of one syscall's rules: the first that matches
 // returns its action; when none does, none.
-func syscallBlock(rules []sandbox.SyscallRule, ret func(sandbox.SyscallAction) uint32, none uint32) ([]bpf.Instruction, error) {
+func syscallBlock(rules []boxpolicy.SyscallRule, ret func(boxpolicy.SyscallAction) uint32, none uint32) ([]bpf.Instruction, error) {
 	var block []bpf.Instruction
 	for _, r := range rules {
 		var code []bpf.Instruction
@@ -229,7 +229,7 @@ func argOffsets(i uint) (lo, hi uint32) {
 // the policy does not allow (refused by a rule, or by none) waits for a
 // seccomp user notification instead: a test that derives a policy answers
 // them.
-func SeccompProgram(policy []sandbox.SyscallRule, notify bool) ([]bpf.RawInstruction, error) {
+func SeccompProgram(policy []boxpolicy.SyscallRule, notify bool) ([]bpf.RawInstruction, error) {
 	info, err := arch.GetInfo("")
 	if err != nil {
 		return nil, fmt.Errorf("finding syscall table: %w", err)

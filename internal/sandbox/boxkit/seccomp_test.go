@@ -5,10 +5,10 @@ import (
 	"fmt"
 	"testing"
 
+	"kiln/internal/boxpolicy"
+
 	"github.com/elastic/go-seccomp-bpf/arch"
 	"golang.org/x/net/bpf"
-
-	"kiln/internal/sandbox"
 )
 
 // TestSeccompProgram runs the box policy's assembled x86_64 program in a BPF
@@ -18,7 +18,7 @@ import (
 // an int argument (the kernel reads only the low half). The hostile battery
 // runs the same calls in real boxes.
 func TestSeccompProgram(t *testing.T) {
-	insts, err := seccompInsts(arch.X86_64, sandbox.SyscallPolicy, seccompRet, seccompRetErrno|errnoENOSYS)
+	insts, err := seccompInsts(arch.X86_64, boxpolicy.SyscallPolicy, seccompRet, seccompRetErrno|errnoENOSYS)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -51,12 +51,12 @@ func TestSeccompProgram(t *testing.T) {
 		{"exit_group", x86_64, nr("exit_group"), nil, allow},
 		{"an unknown number", x86_64, 999, nil, enosys},
 		{"a syscall the policy does not name (mbind)", x86_64, nr("mbind"), nil, enosys},
-		{"unshare", x86_64, nr("unshare"), []uint64{sandbox.CloneNewUser}, eperm},
+		{"unshare", x86_64, nr("unshare"), []uint64{boxpolicy.CloneNewUser}, eperm},
 		{"ptrace", x86_64, nr("ptrace"), nil, eperm},
 		{"io_uring_setup", x86_64, nr("io_uring_setup"), nil, eperm},
 		{"clone3", x86_64, nr("clone3"), nil, enosys},
 		{"i386 read", i386, 3, nil, kill},
-		{"i386 unshare", i386, 310, []uint64{sandbox.CloneNewUser}, kill},
+		{"i386 unshare", i386, 310, []uint64{boxpolicy.CloneNewUser}, kill},
 		{"arm64 read", arm64, 63, nil, kill},
 		{"x32 read", x86_64, 0x40000000 | nr("read"), nil, enosys},
 		{"x32 unshare", x86_64, 0x40000000 | nr("unshare"), nil, enosys},
@@ -64,30 +64,30 @@ func TestSeccompProgram(t *testing.T) {
 		{"a negative number", x86_64, 0xffffffff, nil, enosys},
 		{"clone a thread", x86_64, nr("clone"), []uint64{0x3d0f00}, allow},
 		{"fork by clone", x86_64, nr("clone"), []uint64{0x01200011}, allow},
-		{"clone NEWUSER", x86_64, nr("clone"), []uint64{sandbox.CloneNewUser | 17}, eperm},
-		{"clone NEWNET", x86_64, nr("clone"), []uint64{sandbox.CloneNewNet | 17}, eperm},
-		{"clone NEWNS", x86_64, nr("clone"), []uint64{sandbox.CloneNewNS | 17}, eperm},
-		{"socket AF_INET", x86_64, nr("socket"), []uint64{sandbox.AFInet, 1, 0}, allow},
-		{"socket AF_INET6", x86_64, nr("socket"), []uint64{sandbox.AFInet6, 2, 0}, allow},
-		{"socket AF_UNIX", x86_64, nr("socket"), []uint64{sandbox.AFUnix, 1, 0}, allow},
-		{"socket AF_INET, high half dirty", x86_64, nr("socket"), []uint64{hi | sandbox.AFInet, 1, 0}, allow},
-		{"socket AF_NETLINK route", x86_64, nr("socket"), []uint64{sandbox.AFNetlink, 3, 0}, allow},
-		{"socket AF_NETLINK route, high half dirty", x86_64, nr("socket"), []uint64{sandbox.AFNetlink, 3, hi}, allow},
-		{"socket AF_NETLINK sock_diag", x86_64, nr("socket"), []uint64{sandbox.AFNetlink, 3, 4}, eperm},
-		{"socket AF_NETLINK audit", x86_64, nr("socket"), []uint64{sandbox.AFNetlink, 3, 9}, eperm},
-		{"socket AF_VSOCK", x86_64, nr("socket"), []uint64{sandbox.AFVsock, 1, 0}, eperm},
-		{"socket AF_VSOCK, high half dirty", x86_64, nr("socket"), []uint64{hi | sandbox.AFVsock, 1, 0}, eperm},
-		{"socket AF_PACKET", x86_64, nr("socket"), []uint64{sandbox.AFPacket, 3, 0x300}, eperm},
+		{"clone NEWUSER", x86_64, nr("clone"), []uint64{boxpolicy.CloneNewUser | 17}, eperm},
+		{"clone NEWNET", x86_64, nr("clone"), []uint64{boxpolicy.CloneNewNet | 17}, eperm},
+		{"clone NEWNS", x86_64, nr("clone"), []uint64{boxpolicy.CloneNewNS | 17}, eperm},
+		{"socket AF_INET", x86_64, nr("socket"), []uint64{boxpolicy.AFInet, 1, 0}, allow},
+		{"socket AF_INET6", x86_64, nr("socket"), []uint64{boxpolicy.AFInet6, 2, 0}, allow},
+		{"socket AF_UNIX", x86_64, nr("socket"), []uint64{boxpolicy.AFUnix, 1, 0}, allow},
+		{"socket AF_INET, high half dirty", x86_64, nr("socket"), []uint64{hi | boxpolicy.AFInet, 1, 0}, allow},
+		{"socket AF_NETLINK route", x86_64, nr("socket"), []uint64{boxpolicy.AFNetlink, 3, 0}, allow},
+		{"socket AF_NETLINK route, high half dirty", x86_64, nr("socket"), []uint64{boxpolicy.AFNetlink, 3, hi}, allow},
+		{"socket AF_NETLINK sock_diag", x86_64, nr("socket"), []uint64{boxpolicy.AFNetlink, 3, 4}, eperm},
+		{"socket AF_NETLINK audit", x86_64, nr("socket"), []uint64{boxpolicy.AFNetlink, 3, 9}, eperm},
+		{"socket AF_VSOCK", x86_64, nr("socket"), []uint64{boxpolicy.AFVsock, 1, 0}, eperm},
+		{"socket AF_VSOCK, high half dirty", x86_64, nr("socket"), []uint64{hi | boxpolicy.AFVsock, 1, 0}, eperm},
+		{"socket AF_PACKET", x86_64, nr("socket"), []uint64{boxpolicy.AFPacket, 3, 0x300}, eperm},
 		{"socket AF_ALG", x86_64, nr("socket"), []uint64{38, 5, 0}, eperm},
 		{"socket AF_BLUETOOTH", x86_64, nr("socket"), []uint64{31, 3, 0}, eperm},
-		{"socketpair AF_UNIX", x86_64, nr("socketpair"), []uint64{sandbox.AFUnix, 1, 0}, allow},
-		{"socketpair AF_INET", x86_64, nr("socketpair"), []uint64{sandbox.AFInet, 1, 0}, eperm},
+		{"socketpair AF_UNIX", x86_64, nr("socketpair"), []uint64{boxpolicy.AFUnix, 1, 0}, allow},
+		{"socketpair AF_INET", x86_64, nr("socketpair"), []uint64{boxpolicy.AFInet, 1, 0}, eperm},
 		{"ioctl TCGETS", x86_64, nr("ioctl"), []uint64{0, 0x5401}, allow},
 		{"ioctl FIONREAD", x86_64, nr("ioctl"), []uint64{0, 0x541b}, allow},
-		{"ioctl TIOCSTI", x86_64, nr("ioctl"), []uint64{0, sandbox.TIOCSTI}, eperm},
-		{"ioctl TIOCSTI, high half dirty", x86_64, nr("ioctl"), []uint64{0, hi | sandbox.TIOCSTI}, eperm},
-		{"ioctl TIOCSTI, sign-extended", x86_64, nr("ioctl"), []uint64{0, 0xffffffff_00000000 | sandbox.TIOCSTI}, eperm},
-		{"ioctl TIOCLINUX", x86_64, nr("ioctl"), []uint64{0, sandbox.TIOCLINUX}, eperm},
+		{"ioctl TIOCSTI", x86_64, nr("ioctl"), []uint64{0, boxpolicy.TIOCSTI}, eperm},
+		{"ioctl TIOCSTI, high half dirty", x86_64, nr("ioctl"), []uint64{0, hi | boxpolicy.TIOCSTI}, eperm},
+		{"ioctl TIOCSTI, sign-extended", x86_64, nr("ioctl"), []uint64{0, 0xffffffff_00000000 | boxpolicy.TIOCSTI}, eperm},
+		{"ioctl TIOCLINUX", x86_64, nr("ioctl"), []uint64{0, boxpolicy.TIOCLINUX}, eperm},
 		{"prctl PR_SET_NAME", x86_64, nr("prctl"), []uint64{15}, allow},
 		{"prctl PR_SET_DUMPABLE", x86_64, nr("prctl"), []uint64{4, 0}, allow},
 		{"prctl PR_SET_NAME, high half dirty", x86_64, nr("prctl"), []uint64{hi | 15}, allow},
@@ -117,13 +117,13 @@ func TestSeccompProgram(t *testing.T) {
 func TestSeccompProgramDispatch(t *testing.T) {
 	for _, p := range []struct {
 		name   string
-		policy []sandbox.SyscallRule
-		ret    func(sandbox.SyscallAction) uint32
+		policy []boxpolicy.SyscallRule
+		ret    func(boxpolicy.SyscallAction) uint32
 		none   uint32
 	}{
-		{"box", sandbox.SyscallPolicy, seccompRet, seccompRetErrno | errnoENOSYS},
-		{"deno", sandbox.DenoSyscallPolicy, seccompRet, seccompRetErrno | errnoENOSYS},
-		{"deno, deriving", sandbox.DenoSyscallPolicy, notifyRet, seccompRetUserNotif},
+		{"box", boxpolicy.SyscallPolicy, seccompRet, seccompRetErrno | errnoENOSYS},
+		{"deno", boxpolicy.DenoSyscallPolicy, seccompRet, seccompRetErrno | errnoENOSYS},
+		{"deno, deriving", boxpolicy.DenoSyscallPolicy, notifyRet, seccompRetUserNotif},
 	} {
 		t.Run(p.name, func(t *testing.T) {
 			insts, err := seccompInsts(arch.X86_64, p.policy, p.ret, p.none)
@@ -134,13 +134,13 @@ func TestSeccompProgramDispatch(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			argSets := [][]uint64{nil, {sandbox.AFVsock, 1, 4}, {sandbox.AFNetlink, 0x5412, 0}, {15, 0x0040000}, {sandbox.CloneNewUser | 17}}
+			argSets := [][]uint64{nil, {boxpolicy.AFVsock, 1, 4}, {boxpolicy.AFNetlink, 0x5412, 0}, {15, 0x0040000}, {boxpolicy.CloneNewUser | 17}}
 			for nr := range 600 {
 				name, known := arch.X86_64.SyscallNumbers[nr]
 				for _, args := range argSets {
 					want := p.none
 					if known {
-						if a, ok := sandbox.PolicyAction(p.policy, name, args); ok {
+						if a, ok := boxpolicy.PolicyAction(p.policy, name, args); ok {
 							want = p.ret(a)
 						}
 					}
@@ -160,7 +160,7 @@ func TestSeccompProgramDispatch(t *testing.T) {
 // TestSeccompProgramAssembles: the native programs load as they are (the
 // conformance suites load them into real boxes and Deno processes).
 func TestSeccompProgramAssembles(t *testing.T) {
-	for _, p := range [][]sandbox.SyscallRule{sandbox.SyscallPolicy, sandbox.DenoSyscallPolicy} {
+	for _, p := range [][]boxpolicy.SyscallRule{boxpolicy.SyscallPolicy, boxpolicy.DenoSyscallPolicy} {
 		raw, err := SeccompProgram(p, false)
 		if err != nil {
 			t.Fatal(err)

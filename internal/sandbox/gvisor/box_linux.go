@@ -17,17 +17,12 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"kiln/internal/boxpolicy"
+	"kiln/internal/egress"
 	"kiln/internal/sandbox/boxkit"
-	"kiln/internal/sandbox/boxplan"
 )
 
 var randReader = rand.Reader
-
-// cgroupParent holds the cgroups runsc creates for kiln's boxes, one per
-// box, named <owner>.<container ID> where owner is the kiln process's stamp
-// (pid and start time, boxkit.Owner), so that any kiln can tell which ones
-// a dead process left.
-const cgroupParent = "/kiln-gvisor"
 
 // selfOwner is the stamp of this process, in the names of what it leaves
 // on the host (a variable so that a test can pose as a dead process).
@@ -58,6 +53,9 @@ type box struct {
 	once    sync.Once
 	err     error
 	logTail string // runsc's stderr, kept when the directory goes
+
+	egress *egress.Attachment // nil without network
+	netns  string             // the network namespace egress made; "": none
 }
 
 // pipeStream is the agent's stdout (read) and stdin (write).
@@ -80,11 +78,11 @@ func (b *Backend) runscCmd(ctx context.Context, state string, args ...string) *e
 	flags := []string{
 		"--root=" + state,
 		"--platform=" + b.opts.Platform,
-		"--network=none",
+		"--network=" + b.network(),
 		"--overlay2=none",
 		"--cpu-num-from-quota",
 		"--host-uds=none",
-		"--oci-seccomp", // the box's syscall policy (seccompSpec)
+		"--oci-seccomp", // the box's syscall policy (Seccomp)
 	}
 	if b.sharedRoot != "" {
 		// One empty network namespace for the gofers of all this
@@ -103,8 +101,9 @@ func (b *Backend) runscCmd(ctx context.Context, state string, args ...string) *e
 }
 
 // start writes the box's bundle and runs (or, with image, restores) it with
-// pipes for stdio. The returned stream talks to the agent.
-func (b *Backend) start(ctx context.Context, cid string, cfg boxConfig, image string) (_ *box, _ *pipeStream, err error) {
+// pipes for stdio, wired to the egress gateway as session's box when the
+// backend has a policy. The returned stream talks to the agent.
+func (b *Backend) start(ctx context.Context, session, cid string, cfg boxConfig, image string) (_ *box, _ *pipeStream, err error) {
 	b.mu.Lock()
 	closed := b.closed
 	b.mu.Unlock()
@@ -127,6 +126,9 @@ func (b *Backend) start(ctx context.Context, cid string, cfg boxConfig, image st
 		if err := os.MkdirAll(d, 0o700); err != nil {
 			return nil, nil, fmt.Errorf("creating box directory: %w", err)
 		}
+	}
+	if cfg.Net, err = b.attachEgress(ctx, bx, session); err != nil {
+		return nil, nil, err
 	}
 	js, err := json.MarshalIndent(buildSpec(cfg), "", "  ")
 	if err != nil {
@@ -358,10 +360,10 @@ func boxCgroup(dir string) string {
 		} `json:"linux"`
 	}
 	js, err := os.ReadFile(filepath.Join(dir, "bundle", "config.json"))
-	if err == nil && json.Unmarshal(js, &s) == nil && strings.HasPrefix(s.Linux.CgroupsPath, cgroupParent+"/") {
+	if err == nil && json.Unmarshal(js, &s) == nil && strings.HasPrefix(s.Linux.CgroupsPath, CgroupParent+"/") {
 		return s.Linux.CgroupsPath
 	}
-	return cgroupParent + "/" + filepath.Base(dir)
+	return CgroupParent + "/" + filepath.Base(dir)
 }
 
 // killCgroup kills every process left in the box's cgroup rel (runsc made
@@ -378,30 +380,30 @@ func (b *Backend) killCgroup(rel string) error {
 // kills what is still in them. A cgroup without an owner in its name is an
 // older kiln's: it is removed only if empty.
 func (b *Backend) sweepCgroups() {
-	for _, name := range b.cgroups.Children(cgroupParent) {
+	for _, name := range b.cgroups.Children(CgroupParent) {
 		if _, _, owned := boxkit.ParseOwner(name); !owned {
-			if g := b.cgroups.Group(cgroupParent + "/" + name); g.RemoveIfEmpty() {
+			if g := b.cgroups.Group(CgroupParent + "/" + name); g.RemoveIfEmpty() {
 				b.log.Info("removed an empty box cgroup left by a dead kiln process", "cgroup", g.Path())
 			}
 		}
 	}
-	removed, err := b.cgroups.Sweep(cgroupParent, func(name string) bool {
+	removed, err := b.cgroups.Sweep(CgroupParent, func(name string) bool {
 		o, _, owned := boxkit.ParseOwner(name)
 		return owned && !o.Alive()
 	})
 	for _, name := range removed {
-		b.log.Info("removed a box cgroup left by a dead kiln process", "cgroup", cgroupParent+"/"+name)
+		b.log.Info("removed a box cgroup left by a dead kiln process", "cgroup", CgroupParent+"/"+name)
 	}
 	if err != nil {
 		b.log.Warn("sweeping gvisor cgroups", "err", err)
 	}
 }
 
-// presentHostDirs are the boxplan.RuntimeDirs that exist as directories (not
+// presentHostDirs are the boxpolicy.RuntimeDirs that exist as directories (not
 // symlinks) on this host.
 func presentHostDirs() []hostDir {
 	var out []hostDir
-	for _, d := range boxplan.RuntimeDirs {
+	for _, d := range boxpolicy.RuntimeDirs {
 		if fi, err := os.Lstat(d); err == nil && fi.IsDir() {
 			out = append(out, hostDir{Path: d})
 		}
@@ -419,7 +421,7 @@ func buildHostRoot(dir string, uid, gid uint32) error {
 			return fmt.Errorf("building box root: %w", err)
 		}
 	}
-	for _, d := range boxplan.RuntimeDirs {
+	for _, d := range boxpolicy.RuntimeDirs {
 		fi, err := os.Lstat(d)
 		switch {
 		case err != nil:
@@ -438,16 +440,16 @@ func buildHostRoot(dir string, uid, gid uint32) error {
 			}
 		}
 	}
-	if err := os.WriteFile(filepath.Join(dir, boxplan.AgentPath), nil, 0o755); err != nil {
+	if err := os.WriteFile(filepath.Join(dir, boxpolicy.AgentPath), nil, 0o755); err != nil {
 		return fmt.Errorf("building box root: %w", err)
 	}
 	etc := filepath.Join(dir, "etc")
-	for _, name := range boxplan.EtcFromHost {
+	for _, name := range boxpolicy.EtcFromHost {
 		if err := copyTree(filepath.Join("/etc", name), filepath.Join(etc, name)); err != nil {
 			return fmt.Errorf("copying /etc/%s into box root: %w", name, err)
 		}
 	}
-	for name, content := range boxplan.Etc(boxplan.Hostname, "", int(uid), int(gid)) {
+	for name, content := range boxpolicy.Etc(boxpolicy.Hostname, "", int(uid), int(gid)) {
 		if err := os.WriteFile(filepath.Join(etc, name), []byte(content), 0o644); err != nil {
 			return fmt.Errorf("building box /etc: %w", err)
 		}

@@ -11,5 +11,5 @@ type Config struct {
 // RegisterFlags defines the gVisor backend's flags on fs, storing their
 // values in c.
 func (c *Config) RegisterFlags(fs *flag.FlagSet) {
-	fs.StringVar(&c.Runsc, "runsc", "", "gvisor backend: a static runsc binary (default: the pinned build in kiln's cache)")
+	fs.StringVar(&c.Runsc, "runsc", "", "gvisor: a static runsc binary (default: the pinned build in kiln's cache)")
 }

@@ -5,8 +5,9 @@
 //
 // A box's root is a read-only view of the host runtime (/usr and friends,
 // plus a synthesized /etc) or an image root directory; its workspace and
-// /tmp are size-capped tmpfs inside the sandbox; it has no network and no
-// new privileges, and its memory, CPU and host pids are bounded by the
+// /tmp are size-capped tmpfs inside the sandbox; it has no network unless
+// the backend has an egress policy (then only through the egress gateway,
+// egress_linux.go) and no new privileges, and its memory, CPU and host pids are bounded by the
 // cgroup runsc creates from the OCI spec. Code runs as nobody with no
 // capabilities; the agent runs as root of the box with the few it needs
 // (agentCaps), so code cannot signal it or reopen its stream through /proc.
@@ -24,6 +25,7 @@ package gvisor
 import (
 	"log/slog"
 
+	"kiln/internal/egress"
 	"kiln/internal/sandbox"
 )
 
@@ -57,13 +59,22 @@ type Options struct {
 	// away with the box).
 	Debug bool
 	// Template is a host directory (a configured template's files, kiln
-	// template create) bound read-only at boxplan.TemplateDir in every box
+	// template create) bound read-only at boxpolicy.TemplateDir in every box
 	// and in the warm-start template before its checkpoint, with its
 	// python directory on PYTHONPATH (template.go).
 	Template string
 	// TemplateWritable binds Template writable instead, for the
 	// template's own setup (and disables warm start).
 	TemplateWritable bool
+	// Egress, when set with a non-empty Policy, wires every box to the
+	// egress gateway: each gets a network namespace of its own, made and
+	// attached by the gateway (egress.Gateway.AttachNetNS), which runsc
+	// --network=sandbox turns into the box's netstack interface, plus the
+	// gateway's resolv.conf, proxy environment and, with secrets, its CA.
+	// The box reaches only the allowed hosts, through the gateway. Nil or
+	// an empty policy: loopback only (runsc --network=none).
+	Egress *egress.Gateway
+	Policy egress.Policy
 	// Logger receives lifecycle events. Default: discard.
 	Logger *slog.Logger
 }
@@ -103,3 +114,9 @@ func (o Options) withDefaults() Options {
 	}
 	return o
 }
+
+// CgroupParent holds the cgroups runsc creates for kiln's boxes, one per
+// box, named <owner>.<container ID> where owner is the kiln process's stamp
+// (pid and start time, boxkit.Owner), so that any kiln can tell which ones
+// a dead process left; kiln bench counts the CPU under it.
+const CgroupParent = "/kiln-gvisor"

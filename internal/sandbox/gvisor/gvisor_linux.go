@@ -122,6 +122,10 @@ func New(opts Options) (*Backend, error) {
 			}
 		}
 	}
+	if err := b.prepareEgressRoot(); err != nil {
+		os.RemoveAll(b.dir)
+		return nil, err
+	}
 	b.log.Info("gvisor backend ready", "runsc", runsc, "version", version, "platform", opts.Platform, "state", b.dir)
 	return b, nil
 }
@@ -223,20 +227,24 @@ type boxSpec struct {
 
 func (s boxSpec) forBox(cid string) boxConfig {
 	c := s.boxConfig
-	c.CgroupPath = cgroupParent + "/" + s.owner + "." + cid
+	c.CgroupPath = CgroupParent + "/" + s.owner + "." + cid
 	return c
 }
 
 // coldStart boots a box and waits for its agent's hello.
 func (b *Backend) coldStart(ctx context.Context, id string, s boxSpec) (sandbox.Sandbox, error) {
 	cid := containerID(id) + "-" + randSuffix()
-	bx, stream, err := b.start(ctx, cid, s.forBox(cid), "")
+	bx, stream, err := b.start(ctx, id, cid, s.forBox(cid), "")
 	if err != nil {
 		return nil, err
 	}
 	conn, err := sandbox.NewAgentConn(ctx, id, stream, bx.destroy)
 	if err != nil {
 		return nil, bx.explain(fmt.Errorf("starting gvisor box: %w", err))
+	}
+	if err := bx.checkNetTaken(); err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("starting gvisor box: %w", err)
 	}
 	b.log.Debug("box started cold", "id", id, "container", cid)
 	return &gvBox{conn, bx}, nil
@@ -247,7 +255,7 @@ func (b *Backend) coldStart(ctx context.Context, id string, s boxSpec) (sandbox.
 // replayed to the connection.
 func (b *Backend) restore(ctx context.Context, id string, s boxSpec, t *template) (sandbox.Sandbox, error) {
 	cid := containerID(id) + "-" + randSuffix()
-	bx, stream, err := b.start(ctx, cid, s.forBox(cid), t.image)
+	bx, stream, err := b.start(ctx, id, cid, s.forBox(cid), t.image)
 	if err != nil {
 		return nil, err
 	}
@@ -266,6 +274,9 @@ func (b *Backend) restore(ctx context.Context, id string, s boxSpec, t *template
 	}
 	if resp.ID != pingID || resp.Error != "" {
 		return nil, fail(fmt.Errorf("pinging agent: unexpected answer %+v", resp))
+	}
+	if err := bx.checkNetTaken(); err != nil {
+		return nil, fail(err)
 	}
 	// Every box restored from one image starts with the same random
 	// state; RestoreConn draws fresh seeds from the (host) entropy source.
@@ -336,7 +347,7 @@ const retryTemplate = time.Minute
 
 // templateKey names the template for boxes of spec s.
 func (b *Backend) templateKey(s boxSpec) string {
-	return templateKey(buildSpec(s.forBox("template")), b.version, b.opts.Platform, fileStamp(b.opts.Agent))
+	return templateKey(buildSpec(s.forBox("template")), b.version, b.opts.Platform, fileStamp(b.opts.Agent), "network="+b.network())
 }
 
 // buildTemplate boots a box, waits until its agent has imported its
@@ -360,7 +371,7 @@ func (b *Backend) buildTemplate(s boxSpec) boxkit.TemplateBuild[*template] {
 
 func (b *Backend) checkpoint(ctx context.Context, t *template, s boxSpec) error {
 	cid := templatePrefix + t.key + "-" + randSuffix()
-	bx, stream, err := b.start(ctx, cid, s.forBox(cid), "")
+	bx, stream, err := b.start(ctx, "template-"+t.key, cid, s.forBox(cid), "")
 	if err != nil {
 		return err
 	}
@@ -428,7 +439,7 @@ func (b *Backend) Close() error {
 	}
 	b.tpls.Close() // a template being built fails now that the backend is closed
 	errs = append(errs, removeState(b.dir))
-	b.cgroups.Group(cgroupParent).RemoveIfEmpty() // other kiln processes may use it
+	b.cgroups.Group(CgroupParent).RemoveIfEmpty() // other kiln processes may use it
 	return errors.Join(errs...)
 }
 

@@ -123,7 +123,7 @@ func assertNothingLeft(tb testing.TB, b *Backend) {
 		tb.Errorf("mounts survive: %v", m)
 	}
 	// This process's box cgroups (other kiln processes may hold theirs).
-	for _, d := range b.cgroups.Dirs(cgroupParent) {
+	for _, d := range b.cgroups.Dirs(CgroupParent) {
 		entries, _ := os.ReadDir(d)
 		for _, e := range entries {
 			if e.IsDir() && strings.HasPrefix(e.Name(), b.owner+".") {
@@ -198,7 +198,7 @@ func TestColdBox(t *testing.T) {
 	if out, _ := exec.Command("pgrep", "-f", b.dir).Output(); len(out) == 0 {
 		t.Errorf("no host process of the box matches %s: the leftover check is blind", b.dir)
 	}
-	if !slices.ContainsFunc(b.cgroups.Children(cgroupParent), func(name string) bool { return strings.HasPrefix(name, b.owner+".") }) {
+	if !slices.ContainsFunc(b.cgroups.Children(CgroupParent), func(name string) bool { return strings.HasPrefix(name, b.owner+".") }) {
 		t.Errorf("no cgroup of the box is named %s.*: the leftover check is blind", b.owner)
 	}
 	if l := b.Leftovers(); len(l) < 3 {

@@ -17,8 +17,8 @@ import (
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 
+	"kiln/internal/boxpolicy"
 	"kiln/internal/sandbox"
-	"kiln/internal/sandbox/boxplan"
 )
 
 // TestPinMatchesGoMod: the runsc kiln builds is the one go.mod pins.
@@ -117,7 +117,7 @@ func TestSpecPolicy(t *testing.T) {
 			t.Errorf("%s=%q, want a box-private directory under /tmp, outside the workspace", k, v)
 		}
 	}
-	if want := []string{boxplan.AgentPath, "-workspace=/work", "-preload=numpy,pandas", "-uid=65534", "-gid=65534"}; !slices.Equal(p.Args, want) {
+	if want := []string{boxpolicy.AgentPath, "-workspace=/work", "-preload=numpy,pandas", "-uid=65534", "-gid=65534"}; !slices.Equal(p.Args, want) {
 		t.Errorf("args %q, want %q", p.Args, want)
 	}
 	var ns []specs.LinuxNamespaceType
@@ -144,7 +144,7 @@ func TestSpecPolicy(t *testing.T) {
 	for _, m := range s.Mounts {
 		mounts[m.Destination] = m
 	}
-	for _, d := range []string{"/usr", boxplan.AgentPath} {
+	for _, d := range []string{"/usr", boxpolicy.AgentPath} {
 		if m := mounts[d]; m.Type != "bind" || !slices.Contains(m.Options, "ro") {
 			t.Errorf("%s: %+v, want a read-only bind", d, m)
 		}
@@ -172,12 +172,12 @@ func seccompPolicy(t *testing.T, sc *specs.LinuxSeccomp) {
 	if sc == nil || sc.DefaultAction != specs.ActTrace {
 		t.Fatalf("seccomp: %+v, want default trace (ENOSYS) with rules", sc)
 	}
-	if len(sc.Syscalls) != len(sandbox.SyscallPolicy) {
-		t.Fatalf("%d rules, want the policy's %d", len(sc.Syscalls), len(sandbox.SyscallPolicy))
+	if len(sc.Syscalls) != len(boxpolicy.SyscallPolicy) {
+		t.Fatalf("%d rules, want the policy's %d", len(sc.Syscalls), len(boxpolicy.SyscallPolicy))
 	}
-	want := map[sandbox.SyscallAction]specs.LinuxSeccompAction{sandbox.Allow: specs.ActAllow, sandbox.Deny: specs.ActErrno, sandbox.Absent: specs.ActTrace}
+	want := map[boxpolicy.SyscallAction]specs.LinuxSeccompAction{boxpolicy.Allow: specs.ActAllow, boxpolicy.Deny: specs.ActErrno, boxpolicy.Absent: specs.ActTrace}
 	for i, r := range sc.Syscalls {
-		p := sandbox.SyscallPolicy[i]
+		p := boxpolicy.SyscallPolicy[i]
 		if !slices.Equal(r.Names, p.Names) || r.Action != want[p.Action] || len(r.Args) != len(p.Args) {
 			t.Errorf("rule %d: %+v, want %+v", i, r, p)
 			continue

@@ -21,12 +21,12 @@ func (b *Backend) Leftovers() []string {
 	var out []string
 	prefix := b.owner + "."
 	seen := map[int]bool{}
-	for _, name := range b.cgroups.Children(cgroupParent) {
+	for _, name := range b.cgroups.Children(CgroupParent) {
 		if !strings.HasPrefix(name, prefix) || strings.HasPrefix(name, prefix+templatePrefix) {
 			continue
 		}
-		out = append(out, "cgroup "+cgroupParent+"/"+name)
-		for _, pid := range b.cgroups.Group(cgroupParent + "/" + name).Procs() {
+		out = append(out, "cgroup "+CgroupParent+"/"+name)
+		for _, pid := range b.cgroups.Group(CgroupParent + "/" + name).Procs() {
 			if !seen[pid] {
 				seen[pid] = true
 				out = append(out, "process "+describeProcess(pid))

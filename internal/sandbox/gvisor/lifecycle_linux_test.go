@@ -63,11 +63,11 @@ func (d deadServer) cgroups() []string {
 			seen[s.Linux.CgroupsPath] = true
 		}
 	}
-	for _, dir := range boxkit.HostCgroups().Dirs(cgroupParent) {
+	for _, dir := range boxkit.HostCgroups().Dirs(CgroupParent) {
 		entries, _ := os.ReadDir(dir)
 		for _, e := range entries {
 			if e.IsDir() && strings.HasPrefix(e.Name(), strconv.Itoa(d.pid)+".") {
-				seen[cgroupParent+"/"+e.Name()] = true
+				seen[CgroupParent+"/"+e.Name()] = true
 			}
 		}
 	}
@@ -264,7 +264,7 @@ func TestServerKilledMidTemplate(t *testing.T) {
 // backend removes both, and leaves alone the cgroup of a live owner.
 func TestSweepOrphanCgroups(t *testing.T) {
 	testRunsc(t)
-	dirs := boxkit.HostCgroups().Dirs(cgroupParent)
+	dirs := boxkit.HostCgroups().Dirs(CgroupParent)
 	if len(dirs) == 0 {
 		t.Skip("no cgroup hierarchy mounted")
 	}
@@ -274,11 +274,11 @@ func TestSweepOrphanCgroups(t *testing.T) {
 		t.Fatal(err)
 	}
 	deadOwner := boxkit.Owner{PID: gone.Process.Pid, Start: 1}.String() // no process has it
-	legacy := cgroupParent + "/kiln-template-0123456789abcdef-" + randSuffix()
-	dead := cgroupParent + "/" + deadOwner + ".kiln-orphan-" + randSuffix()
+	legacy := CgroupParent + "/kiln-template-0123456789abcdef-" + randSuffix()
+	dead := CgroupParent + "/" + deadOwner + ".kiln-orphan-" + randSuffix()
 	// pid 1 stands for another live kiln process.
 	pid1, _ := boxkit.Stamp(1)
-	live := cgroupParent + "/" + pid1.String() + ".kiln-live-" + randSuffix()
+	live := CgroupParent + "/" + pid1.String() + ".kiln-live-" + randSuffix()
 	for _, rel := range []string{legacy, dead, live} {
 		for _, d := range boxkit.HostCgroups().Dirs(rel) {
 			if err := os.MkdirAll(d, 0o755); err != nil {

@@ -9,20 +9,20 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
+	"kiln/internal/boxpolicy"
 	"kiln/internal/sandbox"
-	"kiln/internal/sandbox/boxplan"
 )
 
 // TestEtcFromPlan builds a host-runtime box root for the jail's user and
-// sees the same synthesized /etc a jail box gets (boxplan.Etc, which the
+// sees the same synthesized /etc a jail box gets (boxpolicy.Etc, which the
 // jail's init writes; TestDirectAndZygotePlansAgree reads it back from
 // inside a jail box).
 func TestEtcFromPlan(t *testing.T) {
 	dir := t.TempDir()
-	if err := buildHostRoot(dir, boxplan.UID, boxplan.GID); err != nil {
+	if err := buildHostRoot(dir, boxpolicy.UID, boxpolicy.GID); err != nil {
 		t.Fatal(err)
 	}
-	for name, want := range boxplan.Etc(boxplan.Hostname, "", boxplan.UID, boxplan.GID) {
+	for name, want := range boxpolicy.Etc(boxpolicy.Hostname, "", boxpolicy.UID, boxpolicy.GID) {
 		got, err := os.ReadFile(filepath.Join(dir, "etc", name))
 		if err != nil {
 			t.Errorf("reading /etc/%s: %v", name, err)
@@ -38,17 +38,17 @@ func TestEtcFromPlan(t *testing.T) {
 // interprets: its environment, rlimits, workspace, tmpfs sizes and masks.
 func TestSpecFromPlan(t *testing.T) {
 	l := sandbox.Limits{WorkspaceBytes: 24 << 20, TmpBytes: 40 << 20, Inodes: 3000, Pids: 77, OpenFiles: 333}.WithDefaults()
-	s := buildSpec(boxConfig{Root: "/r", Agent: "/a", Limits: l, UID: boxplan.UID, GID: boxplan.GID})
-	plan := boxplan.New(boxplan.Limits{WorkspaceBytes: l.WorkspaceBytes, TmpBytes: l.TmpBytes, Inodes: l.Inodes, Pids: l.Pids, OpenFiles: l.OpenFiles}, boxplan.UID, boxplan.GID)
-	if diff := cmp.Diff(append(slices.Clone(plan.Env), boxplan.UserEnv(boxplan.UID)...), s.Process.Env); diff != "" {
+	s := buildSpec(boxConfig{Root: "/r", Agent: "/a", Limits: l, UID: boxpolicy.UID, GID: boxpolicy.GID})
+	plan := boxpolicy.New(boxpolicy.Limits{WorkspaceBytes: l.WorkspaceBytes, TmpBytes: l.TmpBytes, Inodes: l.Inodes, Pids: l.Pids, OpenFiles: l.OpenFiles}, boxpolicy.UID, boxpolicy.GID)
+	if diff := cmp.Diff(append(slices.Clone(plan.Env), boxpolicy.UserEnv(boxpolicy.UID)...), s.Process.Env); diff != "" {
 		t.Errorf("environment (-plan +spec):\n%s", diff)
 	}
-	var rl []boxplan.Rlimit
+	var rl []boxpolicy.Rlimit
 	for _, r := range s.Process.Rlimits {
 		if r.Soft != r.Hard {
 			t.Errorf("%s: soft %d, hard %d", r.Type, r.Soft, r.Hard)
 		}
-		rl = append(rl, boxplan.Rlimit{Name: r.Type, Value: r.Hard})
+		rl = append(rl, boxpolicy.Rlimit{Name: r.Type, Value: r.Hard})
 	}
 	if diff := cmp.Diff(plan.Rlimits, rl); diff != "" {
 		t.Errorf("rlimits (-plan +spec):\n%s", diff)

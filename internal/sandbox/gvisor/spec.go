@@ -8,16 +8,16 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 
+	"kiln/internal/boxpolicy"
 	"kiln/internal/sandbox"
-	"kiln/internal/sandbox/boxplan"
+	"kiln/internal/sandbox/boxkit"
 )
 
 // A box's paths, runtime, /etc, tmpfs sizes, rlimits and environment are
-// the box plan (package boxplan), the jail's too; buildSpec renders it as
+// the box plan (package boxpolicy), the jail's too; buildSpec renders it as
 // OCI, buildHostRoot writes its /etc.
 
 // agentCaps are the capabilities of kiln-agent, the box's first process,
@@ -38,8 +38,19 @@ type boxConfig struct {
 	Preload    []string
 	UID, GID   uint32 // the code's user; the agent runs as root of the box
 	CgroupPath string
-	Template   string // host directory bound at boxplan.TemplateDir; "": none
-	TemplateRW bool   // writable: the template's setup
+	Template   string  // host directory bound at boxpolicy.TemplateDir; "": none
+	TemplateRW bool    // writable: the template's setup
+	Net        *boxNet // the box's way to the egress gateway; nil: loopback only
+}
+
+// boxNet is a box's way to the egress gateway: a network namespace the
+// gateway made and wired (runsc joins it and takes its interface into the
+// box's netstack), and what points the box's clients at the gateway.
+type boxNet struct {
+	NetNS      string   // path of the network namespace
+	ResolvConf string   // host file bound read-only at /etc/resolv.conf
+	Trust      string   // host file bound read-only at boxpolicy.TrustBundle; "": none
+	Env        []string // the proxy variables, and the trust bundle's with Trust
 }
 
 // hostDir is a host directory bound read-only at the same path.
@@ -62,23 +73,17 @@ const sentryMemSlack = 64 << 20
 // runsc to differ between checkpoint and restore.
 func buildSpec(c boxConfig) *specs.Spec {
 	l := c.Limits
-	plan := boxplan.New(boxplan.Limits{
-		WorkspaceBytes: l.WorkspaceBytes,
-		TmpBytes:       l.TmpBytes,
-		Inodes:         l.Inodes,
-		Pids:           l.Pids,
-		OpenFiles:      l.OpenFiles,
-	}, int(c.UID), int(c.GID))
+	plan := l.Plan(int(c.UID), int(c.GID))
 	// -preload always: the agent's own default is not the Spec's. The
 	// agent runs as root of the box and starts code as the box's user.
-	args := []string{boxplan.AgentPath, "-workspace=" + plan.Workspace, "-preload=" + strings.Join(c.Preload, ","),
+	args := []string{boxpolicy.AgentPath, "-workspace=" + plan.Workspace, "-preload=" + strings.Join(c.Preload, ","),
 		"-uid=" + strconv.FormatUint(uint64(c.UID), 10), "-gid=" + strconv.FormatUint(uint64(c.GID), 10)}
 	roBind := []string{"rbind", "ro", "nosuid", "nodev"}
 	tmpfs := map[string]specs.Mount{}
 	for _, t := range plan.Tmpfs {
 		tmpfs[t.Path] = tmpfsMount(t)
 	}
-	shm := tmpfs[boxplan.DevShm]
+	shm := tmpfs[boxpolicy.DevShm]
 	shm.Options = append(shm.Options, "noexec")
 	mounts := []specs.Mount{
 		{Destination: "/proc", Type: "proc", Source: "proc"},
@@ -91,9 +96,19 @@ func buildSpec(c boxConfig) *specs.Spec {
 		mounts = append(mounts, specs.Mount{Destination: d.Path, Type: "bind", Source: d.Path, Options: roBind})
 	}
 	mounts = append(mounts,
-		specs.Mount{Destination: boxplan.AgentPath, Type: "bind", Source: c.Agent, Options: roBind},
-		tmpfs[boxplan.Workspace], tmpfs[boxplan.Tmp])
+		specs.Mount{Destination: boxpolicy.AgentPath, Type: "bind", Source: c.Agent, Options: roBind},
+		tmpfs[boxpolicy.Workspace], tmpfs[boxpolicy.Tmp])
 	mounts = append(mounts, templateMounts(c)...)
+	netns := specs.LinuxNamespace{Type: specs.NetworkNamespace}
+	env := append(append(slices.Clone(plan.Env), boxpolicy.UserEnv(int(c.UID))...), templateEnv(c)...)
+	if n := c.Net; n != nil {
+		netns.Path = n.NetNS
+		mounts = append(mounts, specs.Mount{Destination: "/etc/resolv.conf", Type: "bind", Source: n.ResolvConf, Options: roBind})
+		if n.Trust != "" {
+			mounts = append(mounts, specs.Mount{Destination: boxpolicy.TrustBundle, Type: "bind", Source: n.Trust, Options: roBind})
+		}
+		env = append(env, n.Env...)
+	}
 	var rlimits []specs.POSIXRlimit
 	for _, r := range plan.Rlimits {
 		rlimits = append(rlimits, specs.POSIXRlimit{Type: r.Name, Hard: r.Value, Soft: r.Value})
@@ -108,7 +123,7 @@ func buildSpec(c boxConfig) *specs.Spec {
 			Terminal: false,
 			User:     specs.User{UID: 0, GID: 0},
 			Args:     args,
-			Env:      append(append(slices.Clone(plan.Env), boxplan.UserEnv(int(c.UID))...), templateEnv(c)...),
+			Env:      env,
 			Cwd:      plan.Workspace,
 			Capabilities: &specs.LinuxCapabilities{
 				Bounding:  agentCaps,
@@ -123,7 +138,7 @@ func buildSpec(c boxConfig) *specs.Spec {
 		Mounts:   mounts,
 		Linux: &specs.Linux{
 			Namespaces: []specs.LinuxNamespace{
-				{Type: specs.PIDNamespace}, {Type: specs.NetworkNamespace}, {Type: specs.IPCNamespace},
+				{Type: specs.PIDNamespace}, netns, {Type: specs.IPCNamespace},
 				{Type: specs.UTSNamespace}, {Type: specs.MountNamespace},
 			},
 			Resources: &specs.LinuxResources{
@@ -132,7 +147,7 @@ func buildSpec(c boxConfig) *specs.Spec {
 				CPU:    &specs.LinuxCPU{Quota: &quota, Period: &period},
 			},
 			CgroupsPath:   c.CgroupPath,
-			Seccomp:       seccompSpec(),
+			Seccomp:       Seccomp(),
 			MaskedPaths:   maskedPaths(plan),
 			ReadonlyPaths: []string{"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"},
 		},
@@ -140,7 +155,7 @@ func buildSpec(c boxConfig) *specs.Spec {
 }
 
 // maskedPaths are the plan's masks over /proc, and /sys/firmware.
-func maskedPaths(p boxplan.Plan) []string {
+func maskedPaths(p boxpolicy.Plan) []string {
 	var out []string
 	for _, m := range p.ProcMasks {
 		out = append(out, "/proc/"+m)
@@ -150,7 +165,7 @@ func maskedPaths(p boxplan.Plan) []string {
 
 // tmpfsMount is one of the plan's tmpfs, without its inode cap, which
 // gVisor's tmpfs refuses.
-func tmpfsMount(t boxplan.Tmpfs) specs.Mount {
+func tmpfsMount(t boxpolicy.Tmpfs) specs.Mount {
 	opts := []string{"nosuid", "nodev", "mode=" + t.Mode}
 	if t.UID >= 0 {
 		opts = append(opts, "uid="+strconv.Itoa(t.UID), "gid="+strconv.Itoa(t.GID))
@@ -158,46 +173,21 @@ func tmpfsMount(t boxplan.Tmpfs) specs.Mount {
 	return specs.Mount{Destination: t.Path, Type: "tmpfs", Source: "tmpfs", Options: append(opts, "size="+strconv.FormatInt(t.Size, 10))}
 }
 
-// seccompSpec is the box's syscall policy (sandbox.SyscallPolicy, the
-// jail's too) as an OCI seccomp section, rule for rule: runsc, like the
-// jail's filter, takes the first rule of a syscall that matches. gVisor's
-// kernel applies it to the box's processes; runsc reads it only with
-// --oci-seccomp. The host kernel never sees these syscalls, but each
-// refused one is a part of the sentry the box cannot reach (its user and
-// mount namespaces, io_uring, keys, other socket families).
-//
-// runsc answers every SCMP_ACT_ERRNO with EPERM whatever errnoRet says, so
-// what the policy makes absent (clone3, and every syscall it does not
-// name) takes SCMP_ACT_TRACE instead: with no tracer the syscall fails with
-// ENOSYS, and there is none, since ptrace is denied. libc then falls back,
-// from clone3 to clone(2), where the namespace flags are visible. Argument
-// checks are masked compares (runsc's MaskedEqual takes the mask in Value
-// and the expected bits in ValueTwo). An i386 (int 0x80) or x32-numbered
-// call ends in ENOSYS under gVisor (the hostile battery checks both), and
-// runsc's program kills a thread whose call claims another architecture.
-func seccompSpec() *specs.LinuxSeccomp {
-	eperm := uint(syscall.EPERM)
-	var sys []specs.LinuxSyscall
-	for _, r := range sandbox.SyscallPolicy {
-		s := specs.LinuxSyscall{Names: r.Names}
-		switch r.Action {
-		case sandbox.Allow:
-			s.Action = specs.ActAllow
-		case sandbox.Deny:
-			s.Action, s.ErrnoRet = specs.ActErrno, &eperm
-		default:
-			s.Action = specs.ActTrace
-		}
-		for _, c := range r.Args {
-			s.Args = append(s.Args, specs.LinuxSeccompArg{Index: c.Index, Value: c.Mask, ValueTwo: c.Value, Op: specs.OpMaskedEqual})
-		}
-		sys = append(sys, s)
-	}
-	return &specs.LinuxSeccomp{
-		DefaultAction: specs.ActTrace,
-		Architectures: []specs.Arch{specs.ArchX86_64, specs.ArchAARCH64},
-		Syscalls:      sys,
-	}
+// Seccomp is the OCI seccomp section of every gVisor box: the box's
+// syscall policy (boxpolicy.SyscallPolicy, the jail's too) rendered by
+// boxkit.OCISeccomp rule for rule, since runsc, like the jail's filter,
+// takes the first rule of a syscall that matches. gVisor's kernel applies
+// it to the box's processes; runsc reads it only with --oci-seccomp. The
+// host kernel never sees these syscalls, but each refused one is a part of
+// the sentry the box cannot reach (its user and mount namespaces,
+// io_uring, keys, other socket families). What the policy makes absent
+// (clone3, and every syscall it does not name) fails with ENOSYS, so libc
+// falls back from clone3 to clone(2), where the namespace flags are
+// visible. An i386 (int 0x80) or x32-numbered call ends in ENOSYS under
+// gVisor (the hostile battery checks both), and runsc's program kills a
+// thread whose call claims another architecture.
+func Seccomp() *specs.LinuxSeccomp {
+	return boxkit.OCISeccomp(boxpolicy.SyscallPolicy, boxkit.FirstMatch)
 }
 
 // templateKey names the checkpoint a box can be restored from: the parts of

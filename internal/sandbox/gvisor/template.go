@@ -8,13 +8,13 @@ import (
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 
-	"kiln/internal/sandbox/boxplan"
+	"kiln/internal/boxpolicy"
 )
 
 // A configured template (Options.Template, kiln template) is a host
 // directory of files an operator's setup made: modules installed with pip
 // --target into its python directory, data files. Every box's OCI spec
-// binds it read-only at boxplan.TemplateDir, nosuid and nodev, and puts
+// binds it read-only at boxpolicy.TemplateDir, nosuid and nodev, and puts
 // its python directory on PYTHONPATH, as the jail does. The spec of the
 // warm-start template box has the same bind (the mount is part of the
 // template's key), so the box imports the template's modules (they are
@@ -60,7 +60,7 @@ func templateMounts(c boxConfig) []specs.Mount {
 	if c.TemplateRW {
 		mode = "rw"
 	}
-	return []specs.Mount{{Destination: boxplan.TemplateDir, Type: "bind", Source: c.Template, Options: []string{"rbind", mode, "nosuid", "nodev"}}}
+	return []specs.Mount{{Destination: boxpolicy.TemplateDir, Type: "bind", Source: c.Template, Options: []string{"rbind", mode, "nosuid", "nodev"}}}
 }
 
 // templateEnv is what a box with a template finds in its environment, as
@@ -69,14 +69,14 @@ func templateEnv(c boxConfig) []string {
 	if c.Template == "" {
 		return nil
 	}
-	return []string{"PYTHONPATH=" + boxplan.TemplatePython, "KILN_TEMPLATE_FILES=" + boxplan.TemplateDir}
+	return []string{"PYTHONPATH=" + boxpolicy.TemplatePython, "KILN_TEMPLATE_FILES=" + boxpolicy.TemplateDir}
 }
 
 // templateMountPoint makes the template's mount point in the synthesized
 // host root (served read-only, so runsc could not make it). An image
 // root (Options.Rootfs) must have it.
 func templateMountPoint(root string) error {
-	if err := os.MkdirAll(filepath.Join(root, boxplan.TemplateDir), 0o755); err != nil {
+	if err := os.MkdirAll(filepath.Join(root, boxpolicy.TemplateDir), 0o755); err != nil {
 		return fmt.Errorf("building box root: %w", err)
 	}
 	return nil
@@ -85,9 +85,9 @@ func templateMountPoint(root string) error {
 // checkTemplateMountPoint refuses an image root without the template's
 // mount point: runsc cannot make it in a read-only root.
 func checkTemplateMountPoint(root string) error {
-	st, err := os.Stat(filepath.Join(root, boxplan.TemplateDir))
+	st, err := os.Stat(filepath.Join(root, boxpolicy.TemplateDir))
 	if err != nil || !st.IsDir() {
-		return fmt.Errorf("gvisor backend: the image root %s has no %s directory for the template's files", root, boxplan.TemplateDir)
+		return fmt.Errorf("gvisor backend: the image root %s has no %s directory for the template's files", root, boxpolicy.TemplateDir)
 	}
 	return nil
 }

@@ -54,7 +54,7 @@ func detectCgroups(all sandbox.Limits, rootless bool) (*cgroups, error) {
 }
 
 // serverGroup is this server's group, the parent of its boxes' groups.
-func serverGroup() string { return "kiln/" + strconv.Itoa(os.Getpid()) }
+func serverGroup() string { return ServerCgroupParent + "/" + strconv.Itoa(os.Getpid()) }
 
 // create makes the box's group with its limits.
 func (c *cgroups) create(boxID string, l sandbox.Limits) (*boxkit.CgroupGroup, error) {
@@ -75,7 +75,7 @@ func (c *cgroups) boxGroups() []string { return c.fs.Children(serverGroup()) }
 // the pid only (bench and tests read this layout), so a reused pid keeps a
 // dead server's groups until that process is gone too.
 func (c *cgroups) removeOrphans() (removed int, err error) {
-	names, err := c.fs.Sweep("kiln", func(name string) bool {
+	names, err := c.fs.Sweep(ServerCgroupParent, func(name string) bool {
 		owner, _, _ := strings.Cut(name, ".")
 		pid, err := strconv.Atoi(owner)
 		if err != nil {

@@ -14,7 +14,8 @@ import (
 	llsys "github.com/landlock-lsm/go-landlock/landlock/syscall"
 	"golang.org/x/sys/unix"
 
-	"kiln/internal/sandbox/boxplan"
+	"kiln/internal/boxpolicy"
+	"kiln/internal/sandbox/boxkit"
 )
 
 // InitArg is the hidden first argument with which kiln re-executes itself
@@ -24,14 +25,17 @@ const InitArg = "__kiln_jail_init"
 
 // initConfig travels from the host to the init over fd 3.
 type initConfig struct {
-	Root       string       `json:"root"`  // empty host directory to build the root on
-	Agent      string       `json:"agent"` // host path of kiln-agent
-	AgentArgs  []string     `json:"agent_args"`
-	Plan       boxplan.Plan `json:"plan"` // the box's mounts, limits, rules and environment
-	ResolvConf string       `json:"resolv_conf"`
-	Rootless   bool         `json:"rootless"`              // only uid 0 is mapped: stay 0, without capabilities
-	Template   string       `json:"template,omitempty"`    // host dir bound at boxplan.TemplateDir (template_linux.go)
-	TemplateRW bool         `json:"template_rw,omitempty"` // writable: the template's setup
+	Root       string         `json:"root"`  // empty host directory to build the root on
+	Agent      string         `json:"agent"` // host path of kiln-agent
+	AgentArgs  []string       `json:"agent_args"`
+	Plan       boxpolicy.Plan `json:"plan"` // the box's mounts, limits, rules and environment
+	ResolvConf string         `json:"resolv_conf"`
+	// TrustBundle, when set, is written to boxpolicy.TrustBundle: the
+	// egress gateway's CA for hosts with secrets, beside the host's roots.
+	TrustBundle string `json:"trust_bundle,omitempty"`
+	Rootless    bool   `json:"rootless"`              // only uid 0 is mapped: stay 0, without capabilities
+	Template    string `json:"template,omitempty"`    // host dir bound at boxpolicy.TemplateDir (template_linux.go)
+	TemplateRW  bool   `json:"template_rw,omitempty"` // writable: the template's setup
 }
 
 // MaybeInit runs the box init and never returns when the process was
@@ -102,7 +106,7 @@ func prepare(steps []initStep) (*initConfig, error) {
 
 func execAgent(cfg *initConfig) error {
 	argv := append([]string{"kiln-agent"}, cfg.AgentArgs...)
-	return fmt.Errorf("executing agent: %w", unix.Exec(boxplan.AgentPath, argv, cfg.Plan.Env))
+	return fmt.Errorf("executing agent: %w", unix.Exec(boxpolicy.AgentPath, argv, cfg.Plan.Env))
 }
 
 func mount(src, dst, fstype string, flags uintptr, data string) error {
@@ -164,7 +168,7 @@ func buildRoot(cfg *initConfig) error {
 	if err := mount("tmpfs", root, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "mode=755,size=4m"); err != nil {
 		return err
 	}
-	for _, d := range boxplan.RuntimeDirs {
+	for _, d := range boxpolicy.RuntimeDirs {
 		st, err := os.Lstat(d)
 		switch {
 		case err != nil:
@@ -188,12 +192,17 @@ func buildRoot(cfg *initConfig) error {
 	if err := os.MkdirAll(etc, 0o755); err != nil {
 		return err
 	}
-	for name, content := range boxplan.Etc(cfg.Plan.Hostname, cfg.ResolvConf, boxUID, boxGID) {
+	for name, content := range boxpolicy.Etc(cfg.Plan.Hostname, cfg.ResolvConf, boxUID, boxGID) {
 		if err := os.WriteFile(filepath.Join(etc, name), []byte(content), 0o644); err != nil {
 			return err
 		}
 	}
-	for _, name := range boxplan.EtcFromHost {
+	if cfg.TrustBundle != "" {
+		if err := os.WriteFile(filepath.Join(root, boxpolicy.TrustBundle), []byte(cfg.TrustBundle), 0o644); err != nil {
+			return err
+		}
+	}
+	for _, name := range boxpolicy.EtcFromHost {
 		p := filepath.Join("/etc", name)
 		if err := bindHost(root, p); err != nil {
 			return fmt.Errorf("binding %s: %w", p, err)
@@ -215,7 +224,7 @@ func buildRoot(cfg *initConfig) error {
 		if _, err := os.Stat(dst); err != nil {
 			continue
 		}
-		if slices.Contains(procReadOnly, p) {
+		if slices.Contains(cfg.Plan.ProcReadOnly, p) {
 			if err := bindRO(dst, dst); err != nil {
 				return fmt.Errorf("masking %s: %w", p, err)
 			}
@@ -231,7 +240,7 @@ func buildRoot(cfg *initConfig) error {
 	if err := mount("tmpfs", dev, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "mode=755,size=65536,nr_inodes=64"); err != nil {
 		return err
 	}
-	for _, n := range boxplan.DevNodes {
+	for _, n := range boxpolicy.DevNodes {
 		dst := filepath.Join(dev, n)
 		if err := touch(dst); err != nil {
 			return err
@@ -256,7 +265,7 @@ func buildRoot(cfg *initConfig) error {
 		}
 	}
 	// The agent binary, read-only.
-	agentDst := filepath.Join(root, boxplan.AgentPath)
+	agentDst := filepath.Join(root, boxpolicy.AgentPath)
 	if err := os.MkdirAll(filepath.Dir(agentDst), 0o755); err != nil {
 		return err
 	}
@@ -315,7 +324,7 @@ func setupNetwork(cfg *initConfig) error {
 
 func setRlimits(cfg *initConfig) error {
 	for _, l := range cfg.Plan.Rlimits {
-		res, ok := rlimitResources[l.Name]
+		res, ok := boxpolicy.RlimitResource(l.Name)
 		if !ok {
 			return fmt.Errorf("unknown rlimit %s", l.Name)
 		}
@@ -326,13 +335,6 @@ func setRlimits(cfg *initConfig) error {
 	return nil
 }
 
-// rlimitResources are the resource numbers of the plan's rlimits.
-var rlimitResources = map[string]int{
-	"RLIMIT_CORE":   unix.RLIMIT_CORE,
-	"RLIMIT_NOFILE": unix.RLIMIT_NOFILE,
-	"RLIMIT_NPROC":  unix.RLIMIT_NPROC,
-}
-
 // dropPrivileges leaves the init, and the agent it execs, root of the box's
 // user namespace with only agentCaps (permitted, effective and inheritable
 // sets, which a root exec keeps; an empty bounding set, nothing ambient)
@@ -341,11 +343,11 @@ var rlimitResources = map[string]int{
 // all, so code can neither signal, trace nor read it. Rootless, only uid 0
 // is mapped: agent and code share it, and nothing keeps a capability.
 func dropPrivileges(cfg *initConfig) error {
-	keep := boxplan.CapMask(agentCaps)
+	keep := boxkit.CapMask(agentCaps)
 	if cfg.Rootless {
 		keep = 0
 	}
-	if err := boxplan.LimitCaps(keep); err != nil {
+	if err := boxkit.LimitCaps(keep); err != nil {
 		return err
 	}
 	return unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
@@ -356,8 +358,8 @@ func dropPrivileges(cfg *initConfig) error {
 // ambient capabilities so that they survive the execs into kiln-agent and
 // python. Raw syscalls on this locked thread: it is the one that execs.
 func becomeTemplateUser(cfg *initConfig) error {
-	keep := boxplan.CapMask(templateCaps)
-	if err := boxplan.DropBounding(keep); err != nil {
+	keep := boxkit.CapMask(templateCaps)
+	if err := boxkit.DropBounding(keep); err != nil {
 		return err
 	}
 	if err := unix.Prctl(unix.PR_SET_KEEPCAPS, 1, 0, 0, 0); err != nil {
@@ -366,13 +368,14 @@ func becomeTemplateUser(cfg *initConfig) error {
 	if _, _, e := unix.RawSyscall(unix.SYS_SETGROUPS, 0, 0, 0); e != 0 {
 		return fmt.Errorf("setgroups: %w", e)
 	}
-	if _, _, e := unix.RawSyscall(unix.SYS_SETRESGID, uidBase, uidBase, uidBase); e != 0 {
+	id := uintptr(uidBase)
+	if _, _, e := unix.RawSyscall(unix.SYS_SETRESGID, id, id, id); e != 0 {
 		return fmt.Errorf("setresgid: %w", e)
 	}
-	if _, _, e := unix.RawSyscall(unix.SYS_SETRESUID, uidBase, uidBase, uidBase); e != 0 {
+	if _, _, e := unix.RawSyscall(unix.SYS_SETRESUID, id, id, id); e != 0 {
 		return fmt.Errorf("setresuid: %w", e)
 	}
-	if err := boxplan.SetCaps(keep, keep); err != nil {
+	if err := boxkit.SetCaps(keep, keep); err != nil {
 		return err
 	}
 	for _, c := range templateCaps {
@@ -390,13 +393,13 @@ func restrictFS(cfg *initConfig) error {
 	rules := make([]landlock.Rule, 0, len(cfg.Plan.Landlock))
 	for _, r := range cfg.Plan.Landlock {
 		switch r.Access {
-		case boxplan.ListDir:
+		case boxpolicy.ListDir:
 			rules = append(rules, landlock.PathAccess(llsys.AccessFSReadDir, r.Path))
-		case boxplan.ReadDir:
+		case boxpolicy.ReadDir:
 			rules = append(rules, landlock.RODirs(r.Path))
-		case boxplan.ReadWriteDir:
+		case boxpolicy.ReadWriteDir:
 			rules = append(rules, landlock.RWDirs(r.Path))
-		case boxplan.ReadWriteFile:
+		case boxpolicy.ReadWriteFile:
 			rules = append(rules, landlock.RWFiles(r.Path))
 		default:
 			return fmt.Errorf("unknown landlock access %d for %s", r.Access, r.Path)

@@ -9,12 +9,13 @@ package jail
 import (
 	"log/slog"
 
-	"kiln/internal/egress"
-	"kiln/internal/sandbox"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"time"
+
+	"kiln/internal/egress"
+	"kiln/internal/sandbox"
 )
 
 // Options configure the backend. Zero values mean defaults.
@@ -52,7 +53,7 @@ type Options struct {
 	// cgroup holds every box's group. Zero fields mean no such limit.
 	AllBoxes sandbox.Limits
 	// Template is a host directory (a configured template's files, kiln
-	// template create) bound read-only at boxplan.TemplateDir in every box
+	// template create) bound read-only at boxpolicy.TemplateDir in every box
 	// and in the zygote template, so that the zygote can import from it
 	// before it forks. Its python directory is on PYTHONPATH.
 	// TemplateWritable binds it writable instead, for the template's own
@@ -79,3 +80,8 @@ func FindAgent() (string, error) {
 	}
 	return exec.LookPath("kiln-agent")
 }
+
+// ServerCgroupParent holds one cgroup per kiln server
+// (<parent>/<server pid>) around its boxes' groups; a dead server's is
+// swept by the next. kiln bench counts a jail server's CPU there.
+const ServerCgroupParent = "kiln"

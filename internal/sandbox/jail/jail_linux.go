@@ -14,17 +14,16 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
 
+	"kiln/internal/boxpolicy"
 	"kiln/internal/boxtemplate"
 	"kiln/internal/egress"
 	"kiln/internal/sandbox"
 	"kiln/internal/sandbox/boxkit"
-	"kiln/internal/sandbox/boxplan"
 )
 
 // Backend creates jails.
@@ -33,11 +32,11 @@ type Backend struct {
 	log      *slog.Logger
 	cgroups  *cgroups // nil: no cgroup limits on this host
 	cgErr    error
-	rootless bool    // not root on the host
-	sub      *subIDs // rootless with subordinate ids: a uid per box; nil: code shares the user's
-	subErr   error   // why sub is nil, rootless
-	slot     atomic.Uint32
-	zy       *zygotes // nil: every box starts its own python
+	rootless bool                // not root on the host
+	sub      *subIDs             // rootless with subordinate ids: a uid per box; nil: code shares the user's
+	subErr   error               // why sub is nil, rootless
+	slots    *boxpolicy.UIDSlots // the boxes' host uid ranges (newUIDSlots)
+	zy       *zygotes            // nil: every box starts its own python
 }
 
 var (
@@ -51,16 +50,20 @@ var (
 	_ sandbox.RefusalReporter = (*jailBox)(nil)
 )
 
-// uidBase is where the host uids of boxes start: box uid 0..65535 of the
-// n-th box maps to uidBase + n*65536 + …, ranges no real user or
+// The host uids of boxes are boxpolicy.JailUIDs: box uid 0..65535 of the
+// box in slot n maps to uidBase + n*65536 + …, ranges no real user or
 // /etc/subuid entry has. A box's files and processes on the host belong to
 // nobody, so even a box that mapped to "root" inside could not read a
-// root-only host file.
-const (
-	uidBase  = 1 << 30
-	uidSlots = 4096
-	uidRange = 65536
-)
+// root-only host file. Slots are handed out from 1 on: the first uid of
+// slot 0, uidBase, is the zygote template's.
+const uidRange = 65536
+
+var uidBase = int(boxpolicy.JailUIDs.First)
+
+// newUIDSlots is the allocator of a backend's slots.
+func newUIDSlots() *boxpolicy.UIDSlots {
+	return &boxpolicy.UIDSlots{Range: boxpolicy.JailUIDs, Size: uidRange, Reserved: 1}
+}
 
 // New checks the host and returns the backend.
 func New(opts Options) (*Backend, error) {
@@ -98,7 +101,7 @@ func New(opts Options) (*Backend, error) {
 	} else if err := boxkit.OwnDir(opts.StateDir, 0o711); err != nil {
 		return nil, err
 	}
-	b := &Backend{opts: opts, log: opts.Logger, rootless: os.Getuid() != 0}
+	b := &Backend{opts: opts, log: opts.Logger, rootless: os.Getuid() != 0, slots: newUIDSlots()}
 	// A template's setup box, rootless, runs its code as the user: what
 	// it writes must be the user's for Commit to seal it (a user cannot
 	// chown a subordinate uid's files). The setup is the operator's code.
@@ -176,7 +179,7 @@ func (b *Backend) Notes() []string {
 	}
 	if b.sub != nil {
 		first, _ := b.sub.forSlot(1)
-		notes = append(notes, fmt.Sprintf("rootless: code runs as box uid %d, a subordinate uid of yours from %d on, one per box (%d, then they wrap); boxes' processes count against RLIMIT_NPROC of that uid only", boxUID, first, min(b.sub.n, uidSlots-1)))
+		notes = append(notes, fmt.Sprintf("rootless: code runs as box uid %d, a subordinate uid of yours from %d on, one per box (%d, then they wrap); boxes' processes count against RLIMIT_NPROC of that uid only", boxUID, first, min(b.sub.n, int64(b.slots.Slots()-b.slots.Reserved))))
 	} else {
 		notes = append(notes, fmt.Sprintf("rootless: code runs as your uid %d, like its agent, so RLIMIT_NPROC counts your own processes too", uid))
 	}
@@ -227,7 +230,7 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (_ sandbox.Sand
 	if b.opts.TemplateWritable && !b.rootless {
 		// The setup's box alone may write the template's files: they
 		// are its code user's (boxtemplate.Stage).
-		if err := boxtemplate.HandTo(b.opts.Template, proc.owner+boxplan.UID, proc.owner+boxplan.GID); err != nil {
+		if err := boxtemplate.HandTo(b.opts.Template, proc.owner+boxpolicy.UID, proc.owner+boxpolicy.GID); err != nil {
 			return nil, err
 		}
 	}
@@ -237,27 +240,21 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (_ sandbox.Sand
 			return nil, err
 		}
 	}
-	env := b.env()
-	resolvConf := ""
-	var att *egress.Attachment
-	if b.opts.Egress != nil && !b.opts.Policy.Empty() {
-		att, err = b.opts.Egress.Attach(ctx, proc.cmd.Process.Pid, egress.BoxInfo{Session: spec.ID, Policy: b.opts.Policy})
-		if err != nil {
-			return nil, fmt.Errorf("attaching egress gateway: %w", err)
-		}
-		cl.Add(att.Close)
-		env = append(env, att.Env()...)
-		resolvConf = att.ResolvConf()
+	env, resolvConf, trust := b.netEnv()
+	att, err := b.attach(ctx, proc.cmd.Process.Pid, spec.ID, &cl)
+	if err != nil {
+		return nil, err
 	}
 	cfg := initConfig{
-		Root:       root,
-		Agent:      b.opts.Agent,
-		AgentArgs:  b.agentArgs(spec),
-		Plan:       b.directPlan(lim, env),
-		ResolvConf: resolvConf,
-		Rootless:   b.sharedUID(),
-		Template:   b.opts.Template,
-		TemplateRW: b.opts.TemplateWritable,
+		Root:        root,
+		Agent:       b.opts.Agent,
+		AgentArgs:   b.agentArgs(spec),
+		Plan:        b.directPlan(lim, env),
+		ResolvConf:  resolvConf,
+		TrustBundle: trust,
+		Rootless:    b.sharedUID(),
+		Template:    b.opts.Template,
+		TemplateRW:  b.opts.TemplateWritable,
 	}
 	if err := json.NewEncoder(proc.cfg).Encode(&cfg); err != nil {
 		return nil, fmt.Errorf("sending box config: %w", err)
@@ -272,6 +269,7 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (_ sandbox.Sand
 		}
 		return nil, fmt.Errorf("starting jail: %w", err)
 	}
+	b.log.Debug("started a box", "id", spec.ID, "path", "direct")
 	return &jailBox{AgentConn: conn, cg: cg, egress: att}, nil
 }
 
@@ -379,7 +377,7 @@ func (b *Backend) procAttr() (*syscall.SysProcAttr, int, int) {
 		attr.GidMappings = []syscall.SysProcIDMap{{ContainerID: 0, HostID: os.Getgid(), Size: 1}}
 		return attr, os.Getuid(), slot
 	}
-	base := uidBase + slot*uidRange
+	base := b.slots.First(slot)
 	attr.UidMappings = []syscall.SysProcIDMap{{ContainerID: 0, HostID: base, Size: uidRange}}
 	attr.GidMappings = []syscall.SysProcIDMap{{ContainerID: 0, HostID: base, Size: uidRange}}
 	return attr, base, slot
@@ -488,7 +486,7 @@ func becomeOwner(owner int) (restore func() error, err error) {
 }
 
 func (b *Backend) agentArgs(spec sandbox.Spec) []string {
-	args := []string{"-workspace", boxplan.Workspace, "-preload", strings.Join(spec.Preload, ",")}
+	args := []string{"-workspace", boxpolicy.Workspace, "-preload", strings.Join(spec.Preload, ",")}
 	if !b.sharedUID() {
 		// The agent stays root of the box (agentCaps); code runs as boxUID.
 		args = append(args, "-uid", strconv.Itoa(boxUID), "-gid", strconv.Itoa(boxGID))
@@ -502,8 +500,43 @@ func (b *Backend) agentArgs(spec sandbox.Spec) []string {
 }
 
 func (b *Backend) env() []string {
-	env := append(slices.Clone(boxplan.Env), boxplan.UserEnv(boxUID)...)
+	env := append(slices.Clone(boxpolicy.Env), boxpolicy.UserEnv(boxUID)...)
 	return append(env, b.opts.Env...)
+}
+
+// networked says whether the backend's boxes are attached to the egress
+// gateway.
+func (b *Backend) networked() bool { return b.opts.Egress != nil && !b.opts.Policy.Empty() }
+
+// netEnv is a box's environment with what the gateway gives every box
+// under the backend's policy, its resolv.conf and the CA bundle it trusts
+// ("" for none): the same for every box, so the zygote's template holds
+// the files and each fork's plan the environment.
+func (b *Backend) netEnv() (env []string, resolvConf, trust string) {
+	env = b.env()
+	if !b.networked() {
+		return env, "", ""
+	}
+	s := b.opts.Egress.BoxSetup(b.opts.Policy)
+	env = append(env, s.Env...)
+	if len(s.TrustBundle) > 0 {
+		env = append(env, egress.TrustEnv(boxpolicy.TrustBundle)...)
+	}
+	return env, s.ResolvConf, string(s.TrustBundle)
+}
+
+// attach links the network namespace of the box whose process is pid to
+// the egress gateway, closing the link with cl; nil without a network.
+func (b *Backend) attach(ctx context.Context, pid int, id string, cl *boxkit.Cleanup) (*egress.Attachment, error) {
+	if !b.networked() {
+		return nil, nil
+	}
+	att, err := b.opts.Egress.Attach(ctx, pid, egress.BoxInfo{Session: id, Policy: b.opts.Policy})
+	if err != nil {
+		return nil, fmt.Errorf("attaching egress gateway: %w", err)
+	}
+	cl.Add(att.Close)
+	return att, nil
 }
 
 // jailBox adds what only the jail knows to the agent connection.
@@ -521,16 +554,7 @@ var (
 
 // NetworkRefusals says which connections the egress policy refused since
 // the last call, in words for the model.
-func (j *jailBox) NetworkRefusals() []string {
-	if j.egress == nil {
-		return nil
-	}
-	var out []string
-	for _, r := range j.egress.Refusals() {
-		out = append(out, r.String())
-	}
-	return out
-}
+func (j *jailBox) NetworkRefusals() []string { return j.egress.NetworkRefusals() }
 
 // OOMKilled reports whether the box hit its memory limit.
 func (j *jailBox) OOMKilled() bool { return j.cg != nil && j.cg.OOMKills() > 0 }

@@ -10,8 +10,8 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
+	"kiln/internal/boxpolicy"
 	"kiln/internal/sandbox"
-	"kiln/internal/sandbox/boxplan"
 )
 
 // planProbe shows, from inside a box, what its plan made of it: the
@@ -69,7 +69,7 @@ func TestDirectAndZygotePlansAgree(t *testing.T) {
 		}
 	}
 	// The jail's /etc is the plan's, as gVisor's is (TestEtcFromPlan).
-	for _, line := range strings.Split(strings.TrimSpace(boxplan.Etc(boxplan.Hostname, "", boxplan.UID, boxplan.GID)["passwd"]), "\n") {
+	for _, line := range strings.Split(strings.TrimSpace(boxpolicy.Etc(boxpolicy.Hostname, "", boxpolicy.UID, boxpolicy.GID)["passwd"]), "\n") {
 		if !slices.Contains(d, "etc passwd "+line) {
 			t.Errorf("the box's /etc/passwd lacks %q", line)
 		}

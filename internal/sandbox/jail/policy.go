@@ -1,8 +1,8 @@
 package jail
 
 import (
+	"kiln/internal/boxpolicy"
 	"kiln/internal/sandbox"
-	"kiln/internal/sandbox/boxplan"
 )
 
 // The jail's security policy, as data. Each table has a test that runs a
@@ -11,8 +11,8 @@ import (
 // boxUID and boxGID are the unprivileged user code runs as, inside the box.
 // On the host they map to a range no real user has (see uidBase).
 const (
-	boxUID = boxplan.UID
-	boxGID = boxplan.GID
+	boxUID = boxpolicy.UID
+	boxGID = boxpolicy.GID
 )
 
 // agentCaps are the capabilities kiln-agent keeps, as root of its box's
@@ -43,22 +43,16 @@ const (
 )
 
 // The rest of a box's policy (runtime, /etc, mounts, masks, Landlock
-// rules, rlimits, environment) is the box plan, package boxplan, which the
+// rules, rlimits, environment) is the box plan, package boxpolicy, which the
 // init (init_linux.go) and the zygote (zygote_plan_linux.go) interpret.
 // The syscall policy (denied syscalls, clone namespace flags, AF_PACKET) is
-// shared with the other backends: sandbox.SyscallPolicy in
-// internal/sandbox/policy.go, loaded by loadSeccomp (seccomp.go).
+// shared with the other backends: boxpolicy.SyscallPolicy in
+// internal/boxpolicy/syscalls.go, loaded by loadSeccomp (seccomp.go).
 
 // boxPlan is the plan of a box (or a template) with limits l, whose
 // workspace belongs to owner, and whose agent gets env.
-func boxPlan(l sandbox.Limits, owner int, env []string) boxplan.Plan {
-	p := boxplan.New(boxplan.Limits{
-		WorkspaceBytes: l.WorkspaceBytes,
-		TmpBytes:       l.TmpBytes,
-		Inodes:         l.Inodes,
-		Pids:           l.Pids,
-		OpenFiles:      l.OpenFiles,
-	}, owner, owner)
+func boxPlan(l sandbox.Limits, owner int, env []string) boxpolicy.Plan {
+	p := l.Plan(owner, owner)
 	p.Env = env
 	return p
 }

@@ -8,13 +8,13 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"kiln/internal/sandbox/boxplan"
+	"kiln/internal/boxpolicy"
 )
 
 // A configured template (Options.Template, kiln template) is a host
 // directory of files an operator's setup made: modules installed with pip
 // --target into its python directory, data files. It is bound at
-// boxplan.TemplateDir in every box. The zygote template binds it too,
+// boxpolicy.TemplateDir in every box. The zygote template binds it too,
 // before its python imports the preloads, so a template's modules can be
 // imported once and every fork shares their pages; forks inherit the
 // bind, locked read-only in their own user namespace.
@@ -57,20 +57,20 @@ func prepareTemplate(opts *Options) error {
 // (Not KILN_TEMPLATE: that is the server's --template, from its own
 // environment.)
 func templateEnv() []string {
-	return []string{"PYTHONPATH=" + boxplan.TemplatePython, "KILN_TEMPLATE_FILES=" + boxplan.TemplateDir}
+	return []string{"PYTHONPATH=" + boxpolicy.TemplatePython, "KILN_TEMPLATE_FILES=" + boxpolicy.TemplateDir}
 }
 
 // withTemplate adds the template's Landlock rule to a box's plan: read
 // beneath it, or read and write during the setup.
-func (b *Backend) withTemplate(p boxplan.Plan) boxplan.Plan {
+func (b *Backend) withTemplate(p boxpolicy.Plan) boxpolicy.Plan {
 	if b.opts.Template == "" {
 		return p
 	}
-	access := boxplan.ReadDir
+	access := boxpolicy.ReadDir
 	if b.opts.TemplateWritable {
-		access = boxplan.ReadWriteDir
+		access = boxpolicy.ReadWriteDir
 	}
-	p.Landlock = append(slices.Clone(p.Landlock), boxplan.PathRule{Path: boxplan.TemplateDir, Access: access})
+	p.Landlock = append(slices.Clone(p.Landlock), boxpolicy.PathRule{Path: boxpolicy.TemplateDir, Access: access})
 	return p
 }
 
@@ -80,7 +80,7 @@ func bindTemplate(cfg *initConfig) error {
 	if cfg.Template == "" {
 		return nil
 	}
-	dst := filepath.Join(cfg.Root, boxplan.TemplateDir)
+	dst := filepath.Join(cfg.Root, boxpolicy.TemplateDir)
 	if err := os.MkdirAll(dst, 0o755); err != nil {
 		return err
 	}

@@ -53,8 +53,6 @@ type zygotes struct {
 
 func newZygotes(b *Backend) (*zygotes, error) {
 	switch {
-	case b.opts.Egress != nil && !b.opts.Policy.Empty():
-		return nil, fmt.Errorf("the zygote does not attach boxes to the egress gateway yet: %w", sandbox.ErrUnsupported)
 	case b.rootless:
 		return nil, fmt.Errorf("the zygote needs root (a user namespace per box): %w", sandbox.ErrUnsupported)
 	case b.cgroups == nil:
@@ -229,12 +227,17 @@ func zygoteControl() (*net.UnixConn, *os.File, error) {
 func (z *zygotes) templateConfig(root, key string) initConfig {
 	b := z.b
 	args := b.agentArgs(sandbox.Spec{Preload: splitPreload(key)})
+	// The template's /etc is every fork's: it holds the gateway's
+	// resolv.conf and CA bundle where the boxes have a network.
+	env, resolvConf, trust := b.netEnv()
 	return initConfig{
-		Root:      root,
-		Agent:     b.opts.Agent,
-		AgentArgs: append(args, "-zygote"),
-		Plan:      templatePlan(b.env()),
-		Template:  b.opts.Template,
+		Root:        root,
+		Agent:       b.opts.Agent,
+		AgentArgs:   append(args, "-zygote"),
+		Plan:        templatePlan(env),
+		Template:    b.opts.Template,
+		ResolvConf:  resolvConf,
+		TrustBundle: trust,
 	}
 }
 
@@ -251,6 +254,10 @@ func (t *template) awaitReady(log *slog.Logger) error {
 	var hello struct {
 		Ready     bool     `json:"ready"`
 		Preloaded []string `json:"preloaded"`
+		// Threads are the names of the template's threads besides its
+		// main one once it stopped the pools it knows of (zygote.py,
+		// _quiesce).
+		Threads []string `json:"threads"`
 	}
 	if err := json.Unmarshal(buf[:n], &hello); err != nil {
 		return err
@@ -258,7 +265,13 @@ func (t *template) awaitReady(log *slog.Logger) error {
 	if !hello.Ready {
 		return errors.New("the zygote did not say it is ready")
 	}
-	log.Debug("jail zygote ready", "preload", t.key, "preloaded", hello.Preloaded)
+	log.Debug("jail zygote ready", "preload", t.key, "preloaded", hello.Preloaded, "threads", 1+len(hello.Threads))
+	if len(hello.Threads) > 0 {
+		// A raw clone(2) would leave those threads' locks held in every
+		// box; the template forks each box in two steps instead.
+		log.Info("jail zygote keeps threads its preloads started; its boxes are forked in two steps, one more copy of the template each: preload fewer modules, or cap that library's thread pool at one thread",
+			"preload", t.key, "threads", 1+len(hello.Threads), "names", hello.Threads)
+	}
 	return nil
 }
 
@@ -422,6 +435,12 @@ func (b *Backend) fork(ctx context.Context, tt *boxkit.Template[*template], spec
 	if err := watchKill(&cl, pid); err != nil {
 		return nil, fmt.Errorf("watching the box's init: %w", err)
 	}
+	// P has its network namespace by now ('p' follows the unshare); no
+	// code of the model's runs before the agent answers, after this.
+	att, err := b.attach(ctx, pid, spec.ID, &cl)
+	if err != nil {
+		return nil, fail("attaching the box to the egress gateway", err)
+	}
 	if rc, err := host.SyscallConn(); err == nil {
 		rc.Control(func(fd uintptr) { unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_PASSCRED, 0) })
 	}
@@ -434,8 +453,12 @@ func (b *Backend) fork(ctx context.Context, tt *boxkit.Template[*template], spec
 	}
 	// One step: the template cloned the box's PID 1 straight into its
 	// namespaces (zygote.py, _clone_box), so 'c' and 'p' came from it.
-	b.log.Debug("forked a box", "id", spec.ID, "one_step", gpid == pid, "cgroup", sent.Sub(start), "fork", forked.Sub(sent), "ready", time.Since(forked))
-	return &jailBox{AgentConn: conn, cg: cg}, nil
+	path := "two-step"
+	if gpid == pid {
+		path = "one-step"
+	}
+	b.log.Debug("forked a box", "id", spec.ID, "one_step", gpid == pid, "path", path, "cgroup", sent.Sub(start), "fork", forked.Sub(sent), "ready", time.Since(forked))
+	return &jailBox{AgentConn: conn, cg: cg, egress: att}, nil
 }
 
 // watchKill pushes onto cl a step that kills process pid and waits, a
@@ -459,14 +482,11 @@ func watchKill(cl *boxkit.Cleanup, pid int) error {
 	return nil
 }
 
-// nextSlot picks the box's uid range; the first uid of slot 0 is the
-// zygote template's, so boxes never get it.
+// nextSlot picks the box's uid range (from 1 on: the first uid of slot 0
+// is the zygote template's, so boxes never get it).
 func (b *Backend) nextSlot() int {
-	for {
-		if n := int(b.slot.Add(1) % uidSlots); n != 0 {
-			return n
-		}
-	}
+	slot, _ := b.slots.Next()
+	return slot
 }
 
 // readHello reads the one byte want and returns its sender's pid.

@@ -8,13 +8,14 @@ import (
 	llsys "github.com/landlock-lsm/go-landlock/landlock/syscall"
 	"golang.org/x/sys/unix"
 
+	"kiln/internal/boxpolicy"
 	"kiln/internal/sandbox"
-	"kiln/internal/sandbox/boxplan"
+	"kiln/internal/sandbox/boxkit"
 )
 
 // zygotePlan is what a forked box does to itself before it runs anything
 // of the model's (internal/kernel/zygote.py carries it out). It is
-// generated from the box plan (boxplan.Plan) that a directly started box's
+// generated from the box plan (boxpolicy.Plan) that a directly started box's
 // init interprets in buildRoot, setRlimits, restrictFS, and from the same
 // capabilities and seccomp program as dropPrivileges and loadSeccomp.
 type zygotePlan struct {
@@ -39,6 +40,10 @@ type zygotePlan struct {
 	Agent     string        `json:"agent"`
 	AgentArgs []string      `json:"agent_args"`
 	Env       []string      `json:"env"`
+	Reseed    string        `json:"reseed"` // Python the fork runs first (sandbox.ReseedCode)
+	// CPUs is the box's CPU limit: the thread pools the template stopped
+	// get back as many threads as it allows (zygote.py, _rethread).
+	CPUs float64 `json:"cpus"`
 }
 
 type planMount struct {
@@ -63,7 +68,7 @@ type landlockRule struct {
 // directPlan is the plan of a directly started box: its init mounts the
 // workspace as root of the box's user namespace, or as the only mapped
 // uid, 0, rootless.
-func (b *Backend) directPlan(lim sandbox.Limits, env []string) boxplan.Plan {
+func (b *Backend) directPlan(lim sandbox.Limits, env []string) boxpolicy.Plan {
 	owner := boxUID
 	if b.sharedUID() {
 		owner = 0
@@ -74,7 +79,7 @@ func (b *Backend) directPlan(lim sandbox.Limits, env []string) boxplan.Plan {
 // templatePlan is the plan of a zygote template: small, since no code runs
 // in it, and owned by the template's own host uid (it stays in the host's
 // user namespace). Every box forked from it mounts its own (zygotes.plan).
-func templatePlan(env []string) boxplan.Plan {
+func templatePlan(env []string) boxpolicy.Plan {
 	return boxPlan(sandbox.Limits{
 		WorkspaceBytes: 1 << 20,
 		TmpBytes:       64 << 20, // matplotlib's font cache, built once
@@ -90,11 +95,12 @@ func templatePlan(env []string) boxplan.Plan {
 // as the raw values zygote.py hands to the kernel.
 func (z *zygotes) plan(spec sandbox.Spec, lim sandbox.Limits, slot int) *zygotePlan {
 	b := z.b
-	host := uidBase + slot*uidRange
+	host := b.slots.First(slot)
 	idMap := fmt.Sprintf("0 %d %d", host, uidRange)
 	// Mounted by the box's PID 1, as root of the box's own user
 	// namespace: the owner is named there.
-	p := b.withTemplate(boxPlan(lim, boxUID, b.env()))
+	env, _, _ := b.netEnv()
+	p := b.withTemplate(boxPlan(lim, boxUID, env))
 	return weaken(&zygotePlan{
 		HostID:    host,
 		UIDMap:    idMap,
@@ -108,19 +114,21 @@ func (z *zygotes) plan(spec sandbox.Spec, lim sandbox.Limits, slot int) *zygoteP
 		SysCapset: unix.SYS_CAPSET,
 		SysCapget: unix.SYS_CAPGET,
 		SysClone:  unix.SYS_CLONE,
-		AgentCaps: boxplan.CapMask(agentCaps),
+		AgentCaps: boxkit.CapMask(agentCaps),
 		Landlock:  zygoteLandlock(p.Landlock),
 		Seccomp:   z.prog,
-		Agent:     boxplan.AgentPath,
+		Agent:     boxpolicy.AgentPath,
 		AgentArgs: b.agentArgs(spec),
 		Env:       p.Env,
+		Reseed:    sandbox.ReseedCode,
+		CPUs:      lim.CPUs,
 	})
 }
 
 // zygoteMounts are the plan's per-box mounts, in the order the direct
 // init makes them (buildRoot): the tmpfs, a fresh /proc with /proc/sys
 // read-only, then the masks over /proc.
-func zygoteMounts(p boxplan.Plan) []planMount {
+func zygoteMounts(p boxpolicy.Plan) []planMount {
 	const procFlags = unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOEXEC
 	var mounts []planMount
 	for _, t := range p.Tmpfs {
@@ -132,7 +140,7 @@ func zygoteMounts(p boxplan.Plan) []planMount {
 		planMount{Dst: "/proc/sys", Flags: unix.MS_BIND | unix.MS_REMOUNT | unix.MS_RDONLY | procFlags},
 	)
 	for _, m := range p.ProcMasks {
-		if slices.Contains(procReadOnly, m) {
+		if slices.Contains(p.ProcReadOnly, m) {
 			mounts = append(mounts,
 				planMount{Src: "/proc/" + m, Dst: "/proc/" + m, Flags: unix.MS_BIND, IfExists: true},
 				planMount{Dst: "/proc/" + m, Flags: unix.MS_BIND | unix.MS_REMOUNT | unix.MS_RDONLY | procFlags, IfExists: true})
@@ -143,19 +151,12 @@ func zygoteMounts(p boxplan.Plan) []planMount {
 	return mounts
 }
 
-// procReadOnly are the masked /proc files the jail binds read-only onto
-// themselves rather than masking with /dev/null, so that a write fails
-// (EROFS) instead of vanishing into /dev/null: the hostile battery's
-// contract is that every write to them fails. (The OCI runtime spec's
-// readonlyPaths do the same for /proc/sysrq-trigger.) Found by the
-// field-host VM: the development machine's /proc has no sysrq-trigger.
-var procReadOnly = []string{"sysrq-trigger"}
-
 // zygoteRlimits are the plan's rlimits as (resource, value) pairs.
-func zygoteRlimits(p boxplan.Plan) [][2]uint64 {
+func zygoteRlimits(p boxpolicy.Plan) [][2]uint64 {
 	out := make([][2]uint64, 0, len(p.Rlimits))
 	for _, l := range p.Rlimits {
-		out = append(out, [2]uint64{uint64(rlimitResources[l.Name]), l.Value})
+		res, _ := boxpolicy.RlimitResource(l.Name) // every name of a plan is there: TestPlanRlimitsKnown
+		out = append(out, [2]uint64{uint64(res), l.Value})
 	}
 	return out
 }
@@ -175,16 +176,16 @@ var llSupported = []uint64{0, 1<<13 - 1, 1<<14 - 1, 1<<15 - 1, 1<<15 - 1, 1<<16 
 
 // llAccess is the rights of each of the plan's kinds of rule, as
 // restrictFS grants them through go-landlock.
-var llAccess = map[boxplan.Access]uint64{
-	boxplan.ListDir:       llsys.AccessFSReadDir,
-	boxplan.ReadDir:       llRead,
-	boxplan.ReadWriteDir:  llRead | llWrite,
-	boxplan.ReadWriteFile: (llRead | llWrite) & llFile,
+var llAccess = map[boxpolicy.Access]uint64{
+	boxpolicy.ListDir:       llsys.AccessFSReadDir,
+	boxpolicy.ReadDir:       llRead,
+	boxpolicy.ReadWriteDir:  llRead | llWrite,
+	boxpolicy.ReadWriteFile: (llRead | llWrite) & llFile,
 }
 
 // zygoteLandlock is the plan's Landlock rules as raw rights of the running
 // kernel's ABI; nil when Landlock is absent.
-func zygoteLandlock(rules []boxplan.PathRule) *landlockPlan {
+func zygoteLandlock(rules []boxpolicy.PathRule) *landlockPlan {
 	abi, err := llsys.LandlockGetABIVersion()
 	if err != nil || abi <= 0 {
 		return nil

@@ -13,8 +13,8 @@ import (
 // pointers the guard, every dict the hash seed), so what is shared is
 // bounded instead: a template serves at most Options.ZygoteMaxBoxes boxes
 // and is used for at most Options.ZygoteMaxAge, then a fresh template
-// replaces it. Generators that can be reseeded are, in each box
-// (zygote.py: random after fork, numpy's global generator; os.urandom
+// replaces it. Generators that can be reseeded are, in each box (what
+// sandbox.ReseedCode lists, which zygote.py runs from the plan; os.urandom
 // reads the kernel and needs nothing).
 //
 // Rotation is off the call path (boxkit.TemplateCache): the replacement

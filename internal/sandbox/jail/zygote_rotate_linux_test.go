@@ -50,7 +50,7 @@ json.dumps({
 `
 
 // zygoteShared is what two boxes of one template have in common, exactly
-// (README, "What zygote boxes share"). Everything else probeShared reads
+// (docs/backends/jail.md, "What zygote boxes share"). Everything else probeShared reads
 // differs between them.
 //
 // id(None) is an address inside the python3 executable; Debian's is not

@@ -74,17 +74,36 @@ func (b *Backend) Adopt(ctx context.Context, key string) (sandbox.Sandbox, error
 	if pod == nil {
 		return nil, sandbox.ErrNoBox
 	}
+	if via := pod.Labels[LabelEgress]; via != "" {
+		if err := b.sameGateway(via); err != nil {
+			return nil, fmt.Errorf("leaving the session's box to its own replica: %w", err)
+		}
+	}
 	b.mu.Lock()
 	lease := b.lease
 	b.mu.Unlock()
-	c := pod.DeepCopy()
-	c.Labels[LabelReplica] = b.opts.Replica
-	c.OwnerReferences = []metav1.OwnerReference{*leaseOwner(lease)}
-	pod, err = b.cs.CoreV1().Pods(c.Namespace).Update(ctx, c, metav1.UpdateOptions{})
-	if apierrors.IsConflict(err) {
-		return nil, fmt.Errorf("adopting the session's box: another replica moved it first: %w", err)
-	}
+	// The Pod's resourceVersion also moves with the kubelet's status
+	// updates, so a conflict alone says nothing about other replicas:
+	// updatePod tries again on the fresh Pod, and the adoption is refused
+	// only when the replica label has changed since the list, which is
+	// another replica having moved the box first.
+	seen := pod.Labels[LabelReplica]
+	err = b.updatePod(ctx, pod.Name, func(p *corev1.Pod) error {
+		if p.DeletionTimestamp != nil {
+			return sandbox.ErrNoBox
+		}
+		if now := p.Labels[LabelReplica]; now != seen && now != b.opts.Replica {
+			return fmt.Errorf("another replica (%s) moved it first", now)
+		}
+		p.Labels[LabelReplica] = b.opts.Replica
+		p.OwnerReferences = []metav1.OwnerReference{*leaseOwner(lease)}
+		pod = p
+		return nil
+	})
 	if err != nil {
+		if errors.Is(err, sandbox.ErrNoBox) {
+			return nil, err
+		}
 		return nil, fmt.Errorf("adopting the session's box: %w", err)
 	}
 	id := pod.Annotations[AnnotationBoxID]

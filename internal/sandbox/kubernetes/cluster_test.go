@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -19,6 +21,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"kiln/internal/image"
+	"kiln/internal/image/oci"
 	"kiln/internal/sandbox"
 	"kiln/internal/sandbox/sandboxtest"
 )
@@ -76,7 +79,7 @@ func setUpCluster(agent string) (*cluster, error) {
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
 		defer cancel()
-		ref, err := image.BuildOCI(ctx, image.Options{Agent: agent}, image.OCIOptions{Ref: reg + "/kiln/box:test", Insecure: true})
+		ref, err := oci.Build(ctx, image.Options{Agent: agent}, oci.Options{Ref: reg + "/kiln/box:test", Insecure: true})
 		if err != nil {
 			return nil, fmt.Errorf("building the box image: %w", err)
 		}
@@ -145,20 +148,42 @@ func (c *cluster) runtimeClass(t *testing.T, name string) {
 // A box's workspace and /tmp are memory-backed emptyDirs: tmpfs without an
 // inode cap, whose files count against the memory limit, so an inode fill
 // may end the box as a memory bomb does.
-var conformance = sandboxtest.Options{MemoryBombKillsBox: true}
+var conformance = sandboxtest.Options{
+	MemoryBombKillsBox: true,
+	NoInodeCap:         "the kubelet mounts a memory-backed emptyDir as a tmpfs with a size and no inode cap; its files count against the Pod's memory limit",
+	// Seen on the test cluster's runc Pods: /work, /tmp and /dev/shm are
+	// tmpfs of the plan's sizes, mounted rw,relatime, mode 1777, owned by
+	// root.
+	PlatformTmpfs: "the kubelet mounts memory-backed emptyDirs itself, without nosuid or nodev and with mode 1777 owned by root, and kiln cannot remount them; the agent starts the box's code as the box's own uid with no capabilities, under no_new_privs (allowPrivilegeEscalation: false), so a setuid bit is inert and the code cannot make a device node; the Pod holds no other user's code",
+}
+
+// options is conformance on c: without kiln's profile on the nodes
+// (KILN_K8S_SECCOMP_DIR), boxes run under the runtime's default one.
+func (c *cluster) options() sandboxtest.Options {
+	o := conformance
+	if c.seccomp == "" {
+		o.OtherSyscallPolicy = "KILN_K8S_SECCOMP_DIR is not set, so boxes run under the container runtime's default seccomp profile"
+	}
+	return o
+}
 
 func TestConformanceRunc(t *testing.T) {
 	c := needCluster(t)
 	c.runtimeClass(t, "runc")
 	b := c.backend(t, c.namespace(t), Options{RuntimeClass: "runc"})
-	sandboxtest.RunWith(t, b, conformance)
+	sandboxtest.RunWith(t, b, c.options())
 }
 
+// TestConformanceGVisor: runsc, under the kubelet as under kiln's gVisor
+// backend, ignores the nodev mount option and the spec's maskedPaths.
 func TestConformanceGVisor(t *testing.T) {
 	c := needCluster(t)
 	c.runtimeClass(t, "gvisor")
 	b := c.backend(t, c.namespace(t), Options{RuntimeClass: "gvisor"})
-	sandboxtest.RunWith(t, b, sandboxtest.Options{MemoryBombKillsBox: true})
+	o := c.options()
+	o.NoNodev = "runsc ignores the nodev mount option; the only devices in a gVisor box are the sentry's own emulated ones, never the host's"
+	o.NoProcMasks = "runsc ignores the OCI spec's maskedPaths; the box's /proc is the sentry's own"
+	sandboxtest.RunWith(t, b, o)
 }
 
 // TestKilledReplicaCollected kills a replica (it stops renewing its Lease
@@ -300,4 +325,37 @@ func TestSessionContinuesOnAnotherReplica(t *testing.T) {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
+}
+
+// podGateway is the node's address on the Pods' network, where the tests'
+// gateways listen. The bridge plugin gives the bridge that address with
+// its first Pod, so one box is made first if no Pod has run yet.
+func (c *cluster) podGateway(t *testing.T, ns string) netip.Addr {
+	t.Helper()
+	addr, err := netip.ParseAddr(os.Getenv("KILN_K8S_POD_GATEWAY"))
+	if err != nil {
+		t.Skip("KILN_K8S_POD_GATEWAY (the node's address on the Pods' network, from `contrib/k8s/cluster/cluster.sh env`) is not set")
+	}
+	local := func() bool {
+		as, _ := net.InterfaceAddrs()
+		for _, a := range as {
+			if n, ok := a.(*net.IPNet); ok && n.IP.Equal(addr.AsSlice()) {
+				return true
+			}
+		}
+		return false
+	}
+	if !local() {
+		b := c.backend(t, ns, Options{})
+		box, err := b.Create(context.Background(), sandbox.Spec{ID: "bridge-up"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		box.Close()
+		b.Close()
+	}
+	if !local() {
+		t.Fatalf("%v is not an address of this host even after a Pod ran: KILN_K8S_POD_GATEWAY is wrong", addr)
+	}
+	return addr
 }

@@ -48,6 +48,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"kiln/internal/egress"
 	"kiln/internal/sandbox"
 )
 
@@ -98,6 +99,11 @@ type Options struct {
 	// PoolMaxAge is how long a pool Pod waits to be taken before it is
 	// replaced. Default 30 minutes.
 	PoolMaxAge time.Duration
+	// Egress, when set with a non-empty Policy, gives every box a network
+	// through this gateway, which must listen on an address the Pods reach
+	// (egress.Options.Listen); see egress.go.
+	Egress *egress.Gateway
+	Policy egress.Policy
 	// Logger receives lifecycle events. Default: discard.
 	Logger *slog.Logger
 
@@ -168,12 +174,20 @@ func New(ctx context.Context, o Options) (*Backend, error) {
 		if err := ensureNetworkPolicy(ctx, cs, o.Namespace); err != nil {
 			return nil, err
 		}
+		if o.egressOn() {
+			if err := ensureEgressPolicy(ctx, b); err != nil {
+				return nil, err
+			}
+		}
 	}
 	lease, err := takeLease(ctx, cs, o.Namespace, o.Replica, o.LeaseDuration)
 	if err != nil {
 		return nil, err
 	}
 	b.lease = lease
+	if err := b.ensureTrust(ctx, leaseOwner(lease)); err != nil {
+		return nil, errors.Join(err, dropLease(context.WithoutCancel(ctx), cs, lease))
+	}
 	for _, n := range b.Notes() {
 		b.log.Warn(n)
 	}
@@ -214,7 +228,7 @@ func (o Options) withDefaults() (Options, error) {
 	if o.UIDs == (UIDRange{}) {
 		o.UIDs = DefaultUIDRange
 	}
-	if err := o.UIDs.check(); err != nil {
+	if err := o.UIDs.Check(); err != nil {
 		return o, fmt.Errorf("kubernetes: %w", err)
 	}
 	if o.TTL < 0 {
@@ -229,7 +243,7 @@ func (o Options) withDefaults() (Options, error) {
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
 	}
-	return o, nil
+	return o, o.checkEgress()
 }
 
 // restConfig is the client configuration: the kubeconfig named, else the
@@ -325,7 +339,7 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 // connect attaches to a running box's agent, begins this replica's turn on
 // its stream and waits for its hello. Closing the box deletes its Pod,
 // unless another replica has taken it over since.
-func (b *Backend) connect(ctx context.Context, pod *corev1.Pod, id string, log *slog.Logger) (*sandbox.AgentConn, error) {
+func (b *Backend) connect(ctx context.Context, pod *corev1.Pod, id string, log *slog.Logger) (sandbox.Sandbox, error) {
 	stream, err := attach(b.cs, b.cfg, pod, log)
 	if err != nil {
 		return nil, fmt.Errorf("attaching to the box: %w", err)
@@ -348,7 +362,12 @@ func (b *Backend) connect(ctx context.Context, pod *corev1.Pod, id string, log *
 	b.live[id] = conn
 	b.pods[id] = name
 	b.mu.Unlock()
-	return conn, nil
+	box, err := b.withEgress(conn, pod, log)
+	if err != nil {
+		conn.Close()
+		return nil, err
+	}
+	return box, nil
 }
 
 func (b *Backend) forget(id string) {
@@ -616,7 +635,7 @@ func (b *Backend) abandon() {
 }
 
 // Notes are the backend's known gaps, for kiln doctor and the log at start
-// (README, "On Kubernetes").
+// (docs/backends/kubernetes.md).
 func (b *Backend) Notes() []string {
 	notes := []string{
 		"the kubernetes backend is new: a Pod has no pids limit of its own (code's RLIMIT_NPROC bounds its processes; set the kubelet's podPidsLimit as the node's backstop), memory-backed volumes have no inode cap (a fill ends when the box's memory does, and the OOM killer takes code first), the agent runs as root with KILL, SETGID and SETUID (Pod Security baseline, not restricted), and the default-deny NetworkPolicy holds only where the cluster enforces NetworkPolicy (a network plugin that does, or an enforcer such as kube-router's firewall; the bridge CNI alone enforces none)",

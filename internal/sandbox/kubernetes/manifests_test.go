@@ -22,6 +22,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"kiln/internal/egress"
 	"kiln/internal/sandbox"
 )
 
@@ -171,5 +172,24 @@ func TestRBACSuffices(t *testing.T) {
 		if err := b.Close(); err != nil {
 			t.Error(err)
 		}
+	}
+	// With --allow-net a replica applies the boxes' egress policy, and the
+	// next one brings it up to date.
+	// A secret's host makes it store the gateway's CA bundle, too.
+	addr := c.podGateway(t, ns)
+	t.Setenv("KILN_TEST_RBAC_SECRET", "v")
+	sec, err := egress.ParseSecret("T@example.org=env:KILN_TEST_RBAC_SECRET")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gw, err := egress.NewGateway(egress.Options{Listen: addr, Secrets: []egress.Secret{sec}})
+	if err != nil {
+		t.Fatalf("a gateway on %v: %v", addr, err)
+	}
+	defer gw.Close()
+	pol, _ := egress.ParsePolicy("example.org")
+	for range 2 {
+		b := c.backend(t, ns, Options{Client: scs, Config: cfg, Egress: gw, Policy: pol})
+		b.Close()
 	}
 }

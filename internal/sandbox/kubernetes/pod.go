@@ -12,9 +12,9 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"kiln/internal/boxpolicy"
 	"kiln/internal/guestinit"
 	"kiln/internal/sandbox"
-	"kiln/internal/sandbox/boxplan"
 )
 
 // Labels and annotations kiln puts on what it creates. They are the whole
@@ -67,6 +67,8 @@ type podConfig struct {
 	// UID and GID of the box's code, the box's own (pickUID); the agent
 	// runs as root.
 	UID, GID int64
+	// Net is the box's network through the egress gateway; nil: none.
+	Net *podNet
 }
 
 // The agent is the container's first process and runs as root, with only
@@ -101,7 +103,7 @@ func capsFor(runtimeClass string) []corev1.Capability {
 // container, while the sandbox.Limits memory is what code may allocate.
 // The workspace and /tmp are capped by their own sizeLimits.
 func memLimit(l sandbox.Limits) int64 {
-	return l.MemoryBytes + l.WorkspaceBytes + l.TmpBytes + boxplan.DevShmBytes
+	return l.MemoryBytes + l.WorkspaceBytes + l.TmpBytes + boxpolicy.DevShmBytes
 }
 
 // buildPod returns the Pod of a box: kiln-agent as the container's first
@@ -118,10 +120,10 @@ func buildPod(c podConfig) *corev1.Pod {
 	uid, gid := c.UID, c.GID
 	if uid <= 0 || gid <= 0 {
 		// A config that names no uid (a bug) never runs code as root.
-		uid, gid = boxplan.Nobody, boxplan.Nobody
+		uid, gid = boxpolicy.Nobody, boxpolicy.Nobody
 	}
 	root := int64(0)
-	plan := boxplan.New(boxplan.Limits{WorkspaceBytes: l.WorkspaceBytes, TmpBytes: l.TmpBytes, Inodes: l.Inodes, Pids: l.Pids, OpenFiles: l.OpenFiles}, int(uid), int(gid))
+	plan := l.Plan(int(uid), int(gid))
 	var rlimits []string
 	for _, r := range plan.Rlimits {
 		rlimits = append(rlimits, r.Name+"="+strconv.FormatUint(r.Value, 10))
@@ -148,7 +150,17 @@ func buildPod(c podConfig) *corev1.Pod {
 	requests := limits.DeepCopy()
 	requests[corev1.ResourceCPU] = *resource.NewMilliQuantity(max(int64(l.CPUs*100), 10), resource.DecimalSI)
 	var env []corev1.EnvVar
-	for _, kv := range append(append([]string(nil), boxplan.Env...), boxplan.UserEnv(int(uid))...) {
+	dns := &corev1.PodDNSConfig{Nameservers: []string{"127.0.0.1"}}
+	boxEnv := append(append([]string(nil), boxpolicy.Env...), boxpolicy.UserEnv(int(uid))...)
+	if c.Net != nil {
+		// The gateway is the box's one resolver and its proxy; the
+		// egress NetworkPolicy lets it reach those and nothing else.
+		two := "2"
+		dns = &corev1.PodDNSConfig{Nameservers: []string{c.Net.Gateway.String()},
+			Options: []corev1.PodDNSConfigOption{{Name: "attempts", Value: &two}, {Name: "timeout", Value: &two}}}
+		boxEnv = append(boxEnv, c.Net.Env...)
+	}
+	for _, kv := range boxEnv {
 		k, v, _ := strings.Cut(kv, "=")
 		env = append(env, corev1.EnvVar{Name: k, Value: v})
 	}
@@ -158,6 +170,9 @@ func buildPod(c podConfig) *corev1.Pod {
 		LabelReplica:   labelValue(c.Replica),
 		LabelBox:       labelValue(c.BoxID),
 		LabelUID:       strconv.FormatInt(uid, 10),
+	}
+	if c.Net != nil {
+		labels[LabelEgress] = c.Net.Gateway.String()
 	}
 	ann := map[string]string{AnnotationBoxID: c.BoxID}
 	if !c.Expires.IsZero() {
@@ -173,7 +188,7 @@ func buildPod(c podConfig) *corev1.Pod {
 		rc = &r
 	}
 	grace := int64(0)
-	return &corev1.Pod{
+	pod := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{
 			Name:            c.Name,
 			Namespace:       c.Namespace,
@@ -191,9 +206,9 @@ func buildPod(c podConfig) *corev1.Pod {
 			ShareProcessNamespace:         &f,
 			RuntimeClassName:              rc,
 			TerminationGracePeriodSeconds: &grace,
-			Hostname:                      boxplan.Hostname,
+			Hostname:                      boxpolicy.Hostname,
 			DNSPolicy:                     corev1.DNSNone,
-			DNSConfig:                     &corev1.PodDNSConfig{Nameservers: []string{"127.0.0.1"}},
+			DNSConfig:                     dns,
 			SecurityContext: &corev1.PodSecurityContext{
 				SeccompProfile: seccomp,
 			},
@@ -201,13 +216,13 @@ func buildPod(c podConfig) *corev1.Pod {
 				Name:            ContainerName,
 				Image:           c.Image,
 				ImagePullPolicy: c.PullPolicy,
-				Command: []string{guestinit.AgentPath, "-await-host", "-workspace=" + boxplan.Workspace,
+				Command: []string{guestinit.AgentPath, "-await-host", "-workspace=" + boxpolicy.Workspace,
 					"-preload=" + strings.Join(c.Preload, ","),
 					"-uid=" + strconv.FormatInt(uid, 10), "-gid=" + strconv.FormatInt(gid, 10),
 					"-code-rlimits=" + strings.Join(rlimits, ","),
 					"-code-oom-score-adj=" + strconv.Itoa(codeOOMScoreAdj)},
 				Env:        env,
-				WorkingDir: boxplan.Workspace,
+				WorkingDir: boxpolicy.Workspace,
 				Stdin:      true,
 				StdinOnce:  false,
 				TTY:        false,
@@ -223,19 +238,24 @@ func buildPod(c podConfig) *corev1.Pod {
 					ProcMount:                nil,
 				},
 				VolumeMounts: []corev1.VolumeMount{
-					{Name: "work", MountPath: boxplan.Workspace},
-					{Name: "tmp", MountPath: boxplan.Tmp},
-					{Name: "shm", MountPath: boxplan.DevShm},
+					{Name: "work", MountPath: boxpolicy.Workspace},
+					{Name: "tmp", MountPath: boxpolicy.Tmp},
+					{Name: "shm", MountPath: boxpolicy.DevShm},
 				},
 				TerminationMessagePolicy: corev1.TerminationMessageFallbackToLogsOnError,
 			}},
 			Volumes: []corev1.Volume{
 				memVolume("work", l.WorkspaceBytes),
 				memVolume("tmp", l.TmpBytes),
-				memVolume("shm", boxplan.DevShmBytes),
+				memVolume("shm", boxpolicy.DevShmBytes),
 			},
 		},
 	}
+	if v, m := trustVolume(c.Net); v != nil {
+		pod.Spec.Volumes = append(pod.Spec.Volumes, *v)
+		pod.Spec.Containers[0].VolumeMounts = append(pod.Spec.Containers[0].VolumeMounts, *m)
+	}
+	return pod
 }
 
 // memVolume is a memory-backed emptyDir capped at size bytes: the kubelet

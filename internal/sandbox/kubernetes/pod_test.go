@@ -15,8 +15,8 @@ import (
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 
+	"kiln/internal/boxpolicy"
 	"kiln/internal/sandbox"
-	"kiln/internal/sandbox/boxplan"
 )
 
 func testPod(t *testing.T, edit func(*podConfig)) *corev1.Pod {
@@ -131,7 +131,7 @@ func TestPodHardening(t *testing.T) {
 	want := map[string]struct {
 		path string
 		size int64
-	}{"work": {boxplan.Workspace, sandbox.DefaultLimits.WorkspaceBytes}, "tmp": {boxplan.Tmp, sandbox.DefaultLimits.TmpBytes}, "shm": {boxplan.DevShm, boxplan.DevShmBytes}}
+	}{"work": {boxpolicy.Workspace, sandbox.DefaultLimits.WorkspaceBytes}, "tmp": {boxpolicy.Tmp, sandbox.DefaultLimits.TmpBytes}, "shm": {boxpolicy.DevShm, boxpolicy.DevShmBytes}}
 	for _, v := range s.Volumes {
 		w, ok := want[v.Name]
 		if !ok {
@@ -205,22 +205,36 @@ func TestNames(t *testing.T) {
 }
 
 // TestSeccompProfile checks that the profile is kiln's policy, rule for
-// rule, with ENOSYS for what it does not name.
+// rule, with ENOSYS (a trace action with no tracer) for what it does not
+// name and what it makes absent; a call's refusal without checks after
+// rules with them is the default action, an allowance the masked compares
+// of what those do not match.
 func TestSeccompProfile(t *testing.T) {
 	var p specs.LinuxSeccomp
 	if err := json.Unmarshal(SeccompProfile(), &p); err != nil {
 		t.Fatal(err)
 	}
-	if p.DefaultAction != specs.ActErrno || p.DefaultErrnoRet == nil || *p.DefaultErrnoRet != 38 {
-		t.Errorf("default %s/%v, want ENOSYS", p.DefaultAction, p.DefaultErrnoRet)
+	if p.DefaultAction != specs.ActTrace {
+		t.Errorf("default %s, want a trace (ENOSYS)", p.DefaultAction)
 	}
-	var sawDeny, sawArgs bool
+	var sawDeny, sawAbsent, sawArgs bool
 	i := 0
-	for _, r := range sandbox.SyscallPolicy {
-		if len(r.Args) == 0 && r.Action != sandbox.Allow && slices.ContainsFunc(p.Syscalls[:i], func(s specs.LinuxSyscall) bool {
+	for _, r := range boxpolicy.SyscallPolicy {
+		if len(r.Args) == 0 && slices.ContainsFunc(p.Syscalls[:i], func(s specs.LinuxSyscall) bool {
 			return len(s.Args) > 0 && slices.Contains(s.Names, r.Names[0])
 		}) {
-			continue // a fallback refusal: the default action
+			want := map[boxpolicy.SyscallAction]specs.LinuxSeccompAction{boxpolicy.Allow: specs.ActAllow, boxpolicy.Deny: specs.ActErrno}[r.Action]
+			n := 0
+			for ; i < len(p.Syscalls); i, n = i+1, n+1 {
+				s := p.Syscalls[i]
+				if !slices.Equal(s.Names, r.Names) || s.Action != want || len(s.Args) != 1 || s.Args[0].Op != specs.OpMaskedEqual {
+					break
+				}
+			}
+			if (n == 0) != (r.Action != boxpolicy.Allow) {
+				t.Errorf("%v %s after its argument rules: %d rules for what they do not match", r.Names, r.Action, n)
+			}
+			continue
 		}
 		s := p.Syscalls[i]
 		i++
@@ -228,14 +242,19 @@ func TestSeccompProfile(t *testing.T) {
 			t.Fatalf("rule %d: names %v, want %v", i-1, s.Names, r.Names)
 		}
 		switch r.Action {
-		case sandbox.Allow:
+		case boxpolicy.Allow:
 			if s.Action != specs.ActAllow {
 				t.Errorf("rule %d (%v) is not allowed", i, r.Names)
 			}
-		case sandbox.Deny:
+		case boxpolicy.Deny:
 			sawDeny = true
 			if s.Action != specs.ActErrno || *s.ErrnoRet != 1 {
 				t.Errorf("rule %d (%v) does not fail with EPERM", i, r.Names)
+			}
+		case boxpolicy.Absent:
+			sawAbsent = true
+			if s.Action != specs.ActTrace {
+				t.Errorf("rule %d (%v) does not fail with ENOSYS", i, r.Names)
 			}
 		}
 		if len(s.Args) != len(r.Args) {
@@ -248,7 +267,10 @@ func TestSeccompProfile(t *testing.T) {
 			}
 		}
 	}
-	if !sawDeny || !sawArgs {
-		t.Error("the policy has no refusal or no argument check to compare")
+	if i != len(p.Syscalls) {
+		t.Errorf("%d rules, want %d", len(p.Syscalls), i)
+	}
+	if !sawDeny || !sawAbsent || !sawArgs {
+		t.Error("the policy has no refusal, no absent call or no argument check to compare")
 	}
 }

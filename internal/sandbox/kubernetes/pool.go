@@ -137,6 +137,7 @@ func (b *Backend) podConfig(spec sandbox.Spec) podConfig {
 		Preload:        spec.Preload,
 		Replica:        b.opts.Replica,
 		Owner:          leaseOwner(lease),
+		Net:            b.podNet(),
 	}
 	if b.opts.TTL > 0 {
 		c.Expires = time.Now().Add(b.opts.TTL)

@@ -3,25 +3,21 @@ package kubernetes
 import (
 	"encoding/json"
 	"fmt"
-	"slices"
-	"syscall"
 
-	specs "github.com/opencontainers/runtime-spec/specs-go"
-
-	"kiln/internal/sandbox"
+	"kiln/internal/boxpolicy"
+	"kiln/internal/sandbox/boxkit"
 )
 
-// SeccompProfile is kiln's syscall policy (sandbox.SyscallPolicy, the
+// SeccompProfile is kiln's syscall policy (boxpolicy.SyscallPolicy, the
 // jail's and gVisor's too) as a seccomp profile in the OCI/containerd JSON
-// format that a Pod names as Localhost: rule for rule, first match wins,
-// explicit refusals fail with EPERM, and everything the policy does not name
-// fails with ENOSYS, as under the jail; a refusal that follows argument
-// rules which allow (clone with a namespace flag, a socket family that is
-// not allowed, prctl options) fails with ENOSYS too, since libseccomp has
-// no first-match order to express it. Argument checks are masked compares
-// (SCMP_CMP_MASKED_EQ takes the mask in value and the expected bits in
-// valueTwo). Only the native architecture is listed, so an i386 (int 0x80)
-// or x32-numbered call takes the default action and fails with ENOSYS.
+// format that a Pod names as Localhost, rendered by boxkit.OCISeccomp as
+// gVisor's is: explicit refusals fail with EPERM, and what the policy
+// makes absent (clone3) and everything it does not name fail with ENOSYS,
+// under runc, crun and runsc alike. It is rendered for libseccomp's
+// reading (boxkit.LibseccompMatch), which has no first-match order: a
+// refusal that follows argument rules which allow (clone with a namespace
+// flag, a socket family that is not allowed, prctl options) fails with
+// ENOSYS rather than EPERM.
 //
 // The profile must be on every node, under the kubelet's seccomp directory
 // (/var/lib/kubelet/seccomp), at the path the backend is given
@@ -38,48 +34,7 @@ import (
 // no capability that would make them matter). Under gVisor runsc applies
 // the profile inside its kernel.
 func SeccompProfile() []byte {
-	eperm := uint(syscall.EPERM)
-	enosys := uint(syscall.ENOSYS)
-	var sys []specs.LinuxSyscall
-	conditional := map[string]bool{} // names with an argument rule so far
-	for _, r := range sandbox.SyscallPolicy {
-		names := r.Names
-		if len(r.Args) > 0 {
-			for _, n := range names {
-				conditional[n] = true
-			}
-		} else if r.Action != sandbox.Allow {
-			// libseccomp (runc) does not take the first rule that
-			// matches: an unconditional rule of a syscall overrides its
-			// argument rules. A refusal after argument rules that allow
-			// is left to the default action instead (ENOSYS, not
-			// EPERM: refused either way).
-			names = slices.DeleteFunc(slices.Clone(names), func(n string) bool { return conditional[n] })
-			if len(names) == 0 {
-				continue
-			}
-		}
-		s := specs.LinuxSyscall{Names: names}
-		switch r.Action {
-		case sandbox.Allow:
-			s.Action = specs.ActAllow
-		case sandbox.Deny:
-			s.Action, s.ErrnoRet = specs.ActErrno, &eperm
-		default:
-			s.Action, s.ErrnoRet = specs.ActErrno, &enosys
-		}
-		for _, c := range r.Args {
-			s.Args = append(s.Args, specs.LinuxSeccompArg{Index: c.Index, Value: c.Mask, ValueTwo: c.Value, Op: specs.OpMaskedEqual})
-		}
-		sys = append(sys, s)
-	}
-	p := specs.LinuxSeccomp{
-		DefaultAction:   specs.ActErrno,
-		DefaultErrnoRet: &enosys,
-		Architectures:   []specs.Arch{nativeArch()},
-		Syscalls:        sys,
-	}
-	b, err := json.MarshalIndent(&p, "", "  ")
+	b, err := json.MarshalIndent(boxkit.OCISeccomp(boxpolicy.SyscallPolicy, boxkit.LibseccompMatch), "", "  ")
 	if err != nil {
 		panic(fmt.Sprintf("encoding seccomp profile: %v", err)) // plain data; cannot fail
 	}

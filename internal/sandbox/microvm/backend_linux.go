@@ -19,13 +19,14 @@ import (
 	"slices"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
 
 	"kiln/internal/agentproto"
+	"kiln/internal/boxpolicy"
+	"kiln/internal/egress"
 	"kiln/internal/guestinit"
 	"kiln/internal/sandbox"
 	"kiln/internal/sandbox/boxkit"
@@ -45,8 +46,9 @@ type Backend struct {
 	tscKHz int64  // TCG only: the guest's TSC rate, see kernelCmdline
 	tplfs  string // the template's ext4 image (template_linux.go); "": none
 
-	self    string        // kiln's executable, re-executed as QEMU's jail init
-	uidSlot atomic.Uint32 // picks each jailed QEMU's host uid
+	self    string              // kiln's executable, re-executed as QEMU's jail init
+	vmmUIDs *boxpolicy.UIDSlots // each jailed QEMU's host uid (newVMMUIDs)
+	net     *guestNet           // every VM's network; nil: none (net_linux.go)
 }
 
 // New checks opts and returns the backend. It does not boot anything:
@@ -112,6 +114,7 @@ func New(opts Options) (*Backend, error) {
 		self:  self,
 		opts:  opts,
 		tplfs: tplfs,
+		net:   newGuestNet(opts.Egress, opts.Policy),
 		log:   opts.Logger.With("backend", "microvm", "accel", opts.Accel),
 		live:  map[*vm]struct{}{},
 	}
@@ -134,9 +137,7 @@ func New(opts Options) (*Backend, error) {
 	for _, n := range b.notes {
 		b.log.Warn(n)
 	}
-	var slot [4]byte
-	rand.Read(slot[:])
-	b.uidSlot.Store(binary.BigEndian.Uint32(slot[:]))
+	b.vmmUIDs = newVMMUIDs()
 	return b, nil
 }
 
@@ -175,7 +176,7 @@ func (b *Backend) checkHost(ctx context.Context) error {
 		}
 		f.Close()
 	}
-	return nil
+	return checkTun(b.net)
 }
 
 // Create starts a box: a clone restored from the template for spec's shape
@@ -188,6 +189,9 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 		id = randomID()
 	}
 	cfg := b.vmConfig(limits, preload)
+	if err := checkCmdline(cfg.Cmdline); err != nil {
+		return nil, err
+	}
 	if b.opts.ColdBoot {
 		return b.coldBoot(ctx, id, cfg, limits)
 	}
@@ -216,6 +220,9 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 func (b *Backend) Warm(ctx context.Context, spec sandbox.Spec) error {
 	limits := spec.Limits.WithDefaults()
 	cfg := b.vmConfig(limits, cleanPreload(spec.Preload))
+	if err := checkCmdline(cfg.Cmdline); err != nil {
+		return err
+	}
 	key := b.templateKey(cfg)
 	return b.tpls.Warm(ctx, key, b.buildTemplate(key, cfg, limits))
 }
@@ -257,8 +264,10 @@ func (b *Backend) vmConfig(l sandbox.Limits, preload []string) vmConfig {
 		Initrd:    im.InitrdPath(),
 		Rootfs:    im.RootfsPath(),
 		Template:  b.tplfs,
-		Cmdline:   kernelCmdline(l, preload, b.opts.Verbose, b.tscKHz, "serial", extra...),
+		Cmdline:   kernelCmdline(l, b.net, preload, b.opts.Verbose, b.tscKHz, "serial", extra...),
+		Plan:      guestPlan(l, b.net).Digest(),
 		Seccomp:   !b.opts.NoSeccomp,
+		Net:       b.net != nil,
 	}
 }
 
@@ -272,11 +281,24 @@ func (b *Backend) qemuLimits(cfg vmConfig, l sandbox.Limits) boxkit.CgroupLimits
 	return boxkit.CgroupLimits{MemoryBytes: cfg.MemoryMiB<<20 + overhead, Pids: 128, CPUs: l.CPUs}
 }
 
+// attach is box id's attachment to the gateway, in a namespace of its
+// own; nil without a network.
+func (b *Backend) attach(ctx context.Context, id string) (*vmLink, error) {
+	if b.net == nil {
+		return nil, nil
+	}
+	return attachVM(ctx, b.opts.Egress, b.net, b.opts.Policy, 0, id)
+}
+
 // coldBoot boots a fresh VM and waits for its agent.
 func (b *Backend) coldBoot(ctx context.Context, id string, cfg vmConfig, l sandbox.Limits) (sandbox.Sandbox, error) {
 	ctx, cancel := context.WithTimeout(ctx, b.opts.BootTimeout)
 	defer cancel()
-	v, err := b.start(ctx, id, cfg, l, nil, nil)
+	link, err := b.attach(ctx, id)
+	if err != nil {
+		return nil, fmt.Errorf("booting vm: %w", err)
+	}
+	v, err := b.start(ctx, id, cfg, l, nil, nil, link)
 	if err != nil {
 		return nil, fmt.Errorf("booting vm: %w", err)
 	}
@@ -284,7 +306,19 @@ func (b *Backend) coldBoot(ctx context.Context, id string, cfg vmConfig, l sandb
 	if err != nil {
 		return nil, fmt.Errorf("booting vm: %w%s", err, v.consoleTail())
 	}
-	return sb, nil
+	if err := checkPlan(sb.Hello(), cfg.Plan); err != nil {
+		sb.Close()
+		return nil, fmt.Errorf("booting vm: %w", err)
+	}
+	if link != nil {
+		// A booted guest has entropy and the time of its own; the seed
+		// brings its address.
+		if err := v.reseed(ctx); err != nil {
+			sb.Close()
+			return nil, fmt.Errorf("booting vm: configuring its network: %w%s", err, v.consoleTail())
+		}
+	}
+	return withLink(sb, link), nil
 }
 
 // restore starts a clone of tpl and hands out its agent. The clone's agent
@@ -301,7 +335,11 @@ func (b *Backend) restore(ctx context.Context, id string, tt *boxkit.Template[*t
 	cfg.MemFile = memFDPath
 	cfg.MemShared = false
 	cfg.Incoming = true
-	v, err := b.start(ctx, id, cfg, l, state, tpl.mem)
+	link, err := b.attach(ctx, id)
+	if err != nil {
+		return nil, fmt.Errorf("restoring vm: %w", err)
+	}
+	v, err := b.start(ctx, id, cfg, l, state, tpl.mem, link)
 	if err != nil {
 		return nil, fmt.Errorf("restoring vm: %w", err)
 	}
@@ -324,7 +362,7 @@ func (b *Backend) restore(ctx context.Context, id string, tt *boxkit.Template[*t
 	if err != nil {
 		return nil, fmt.Errorf("restoring vm: %w%s", err, v.consoleTail())
 	}
-	return sb, nil
+	return withLink(sb, link), nil
 }
 
 // step is one named part of booting or restoring a VM, logged and timed.
@@ -354,7 +392,8 @@ type vm struct {
 	seed  net.Conn
 	qmp   *qmp
 
-	console string // host path of the guest console log
+	console string  // host path of the guest console log
+	link    *vmLink // the box's attachment; nil without a network (and in a template)
 
 	exited  chan struct{}
 	stderr  *bytes.Buffer
@@ -364,19 +403,34 @@ type vm struct {
 // start spawns QEMU for cfg with its sockets, in its own cgroup and
 // jailed (see jail_linux.go), and connects QMP. state is passed as the
 // migration fd, mem as the guest RAM (cfg.MemFile is then memFDPath).
-func (b *Backend) start(ctx context.Context, id string, cfg vmConfig, l sandbox.Limits, state, mem *os.File) (_ *vm, err error) {
+// With cfg.Net, link is the box's attachment, which the VM owns from now
+// on (closed with it, after QEMU is gone); nil for a template, which gets
+// a loose tap.
+func (b *Backend) start(ctx context.Context, id string, cfg vmConfig, l sandbox.Limits, state, mem *os.File, link *vmLink) (_ *vm, err error) {
+	v := &vm{id: id, dir: filepath.Join(b.opts.RunDir, id), log: b.log.With("vm", id), exited: make(chan struct{}), stderr: new(bytes.Buffer), link: link}
+	v.defer_(link.close)
+	defer func() {
+		if err != nil {
+			v.destroy()
+		}
+	}()
 	b.mu.Lock()
 	closed := b.closed
 	b.mu.Unlock()
 	if closed {
 		return nil, sandbox.ErrClosed
 	}
-	v := &vm{id: id, dir: filepath.Join(b.opts.RunDir, id), log: b.log.With("vm", id), exited: make(chan struct{}), stderr: new(bytes.Buffer)}
-	defer func() {
-		if err != nil {
-			v.destroy()
+	var tap *os.File
+	if cfg.Net {
+		if tap = link.tap(); tap == nil {
+			t, closeTap, err := egress.LooseTap(0)
+			if err != nil {
+				return nil, fmt.Errorf("making the template's tap: %w", err)
+			}
+			v.defer_(closeTap)
+			tap = t
 		}
-	}()
+	}
 	if !b.opts.Verbose { // verbose keeps console logs for debugging
 		v.defer_(func() error { return os.RemoveAll(v.dir) })
 	}
@@ -390,12 +444,12 @@ func (b *Backend) start(ctx context.Context, id string, cfg vmConfig, l sandbox.
 	if err != nil {
 		return nil, err
 	}
-	defer closeFiles(children)
-	cmd, opened, err := b.qemuCmd(v, cfg, append(children, state, mem))
+	defer boxkit.CloseFiles(children)
+	cmd, opened, err := b.qemuCmd(v, cfg, append(children, state, mem, tap))
 	if err != nil {
 		return nil, err
 	}
-	defer closeFiles(opened)
+	defer boxkit.CloseFiles(opened)
 	var cg *boxkit.CgroupGroup
 	if !b.opts.NoCgroup {
 		if cg, err = newCgroup(b.opts.Cgroup, id, b.qemuLimits(cfg, l)); err != nil {
@@ -406,7 +460,7 @@ func (b *Backend) start(ctx context.Context, id string, cfg vmConfig, l sandbox.
 	v.log.Debug("starting qemu", "args", strings.Join(cmd.Args, " "))
 	err = cmd.Start()
 	// QEMU holds the child ends now; ours would hide its EOF.
-	closeFiles(children)
+	boxkit.CloseFiles(children)
 	if err != nil {
 		return nil, fmt.Errorf("starting qemu: %w", err)
 	}
@@ -450,7 +504,7 @@ func (b *Backend) start(ctx context.Context, id string, cfg vmConfig, l sandbox.
 func (v *vm) openSockets() (qmpHost net.Conn, children []*os.File, err error) {
 	defer func() {
 		if err != nil {
-			closeFiles(children)
+			boxkit.CloseFiles(children)
 		}
 	}()
 	for _, host := range []*net.Conn{&v.agent, &qmpHost, &v.seed} {
@@ -497,29 +551,13 @@ func closer(c io.Closer) func() error {
 // destroy kills QEMU and undoes everything start did, once.
 func (v *vm) destroy() error { return v.cleanup.Run() }
 
-// reseed sends the guest fresh entropy and the time, and waits for
-// guestinit to have reseeded the kernel's RNG and set the clock: without
-// it every clone of a template would draw the same random numbers until
-// the kernel reseeded by itself, and under KVM its clock would stand at
-// the template's save time.
-func (v *vm) reseed(ctx context.Context) error { return sendSeed(ctx, v.seed) }
-
-// sendSeed writes one seed message (guestinit.SeedPortName) to port and
-// waits for its answer; ctx's end closes port.
-func sendSeed(ctx context.Context, port io.ReadWriteCloser) error {
-	stop := context.AfterFunc(ctx, func() { port.Close() })
-	defer stop()
-	seed := make([]byte, guestinit.SeedMessageSize)
-	rand.Read(seed[:guestinit.SeedSize])
-	binary.BigEndian.PutUint64(seed[guestinit.SeedSize:], uint64(time.Now().UnixNano()))
-	if _, err := port.Write(seed); err != nil {
-		return errors.Join(err, ctx.Err())
-	}
-	if _, err := io.ReadFull(port, seed[:1]); err != nil {
-		return errors.Join(err, ctx.Err())
-	}
-	return nil
-}
+// reseed sends the guest fresh entropy, the time and its network, and
+// waits for guestinit to have reseeded the kernel's RNG, set the clock
+// and addressed eth0: without it every clone of a template would draw the
+// same random numbers until the kernel reseeded by itself, under KVM its
+// clock would stand at the template's save time, and a box with a
+// network would have no address.
+func (v *vm) reseed(ctx context.Context) error { return sendSeed(ctx, v.seed, v.link.seed()) }
 
 // waitMigrated polls QMP until the incoming state has loaded.
 func (v *vm) waitMigrated(ctx context.Context) error {
@@ -697,7 +735,7 @@ func (b *Backend) loadTemplate(t *template) (time.Time, error) {
 	if err != nil {
 		return time.Time{}, err
 	}
-	hello, err := loadHello(filepath.Join(t.dir, "hello"))
+	hello, err := loadHello(filepath.Join(t.dir, "hello"), t.cfg.Plan)
 	if err != nil {
 		return time.Time{}, err
 	}
@@ -751,7 +789,7 @@ func (b *Backend) saveTemplate(ctx context.Context, t *template, l sandbox.Limit
 	}()
 	cfg.MemFile = memFDPath
 	cfg.MemShared = true
-	v, err := b.start(ctx, "template-"+t.key+"-"+randomID()[:4], cfg, l, nil, mem)
+	v, err := b.start(ctx, "template-"+t.key+"-"+randomID()[:4], cfg, l, nil, mem, nil)
 	if err != nil {
 		return fmt.Errorf("booting vm: %w", err)
 	}
@@ -762,7 +800,7 @@ func (b *Backend) saveTemplate(ctx context.Context, t *template, l sandbox.Limit
 			stop := context.AfterFunc(ctx, func() { v.agent.Close() })
 			defer stop()
 			var err error
-			if hello, err = readHello(v.agent); err != nil {
+			if hello, err = readHello(v.agent, cfg.Plan); err != nil {
 				return errors.Join(err, ctx.Err())
 			}
 			b.log.Info("template agent ready", "python", hello.Python, "preloaded", hello.Preloaded)
@@ -914,4 +952,16 @@ func vmmDirs(vmm string, stateDir, runDir, cgroup *string) error {
 		}
 	}
 	return nil
+}
+
+// newVMMUIDs hands out the host uids of jailed QEMU processes, one per VM,
+// from boxpolicy.VMMUIDs (no real user's, no /etc/subuid entry's, not the
+// jail backend's), starting at random so that two servers on one host are
+// unlikely to hand out the same uid at once.
+func newVMMUIDs() *boxpolicy.UIDSlots {
+	s := &boxpolicy.UIDSlots{Range: boxpolicy.VMMUIDs, Size: 1}
+	var start [8]byte
+	rand.Read(start[:])
+	s.Start(binary.BigEndian.Uint64(start[:]))
+	return s
 }

@@ -34,6 +34,10 @@ func (b *Backend) Warm(ctx context.Context, spec sandbox.Spec) error {
 // Firecracker is the Firecracker backend; it runs on Linux only.
 type Firecracker struct{}
 
+// CheckFirecrackerHost reports that Firecracker is not supported on this
+// OS.
+func CheckFirecrackerHost(bin string) (string, error) { return "", sandbox.ErrUnsupported }
+
 // NewFirecracker reports that Firecracker is not supported on this OS.
 func NewFirecracker(opts FirecrackerOptions) (*Firecracker, error) {
 	return nil, sandbox.ErrUnsupported

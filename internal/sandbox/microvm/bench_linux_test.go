@@ -10,6 +10,7 @@ import (
 	"strings"
 	"testing"
 
+	"kiln/internal/egress"
 	"kiln/internal/sandbox"
 	"kiln/internal/sandbox/microvm"
 )
@@ -152,4 +153,26 @@ func smapsRollup(b *testing.B, pid int) (pss, rss int64) {
 		}
 	}
 	return pss, rss
+}
+
+// BenchmarkCreateEgress measures Create and the first answer of a clone
+// with and without an egress policy: the network's cost at creation (a
+// namespace, a veth, a bridge and a tap, and the address in the seed).
+func BenchmarkCreateEgress(b *testing.B) {
+	if os.Geteuid() != 0 {
+		b.Skip("skipping: the egress gateway and a VM's tap need root")
+	}
+	gw, err := egress.NewGateway(egress.Options{})
+	if err != nil {
+		b.Skipf("skipping: egress gateway unavailable: %v", err)
+	}
+	defer gw.Close()
+	for _, tc := range []struct {
+		name   string
+		policy egress.Policy
+	}{{"none", egress.Policy{}}, {"policy", egress.MustParsePolicy("pypi.org", "*.pythonhosted.org")}} {
+		b.Run(tc.name+"-tcg", func(b *testing.B) {
+			benchFirstAnswer(b, newBackend(b, microvm.Options{Egress: gw, Policy: tc.policy}))
+		})
+	}
 }

@@ -33,3 +33,23 @@ func (c Config) Apply(o Options) Options {
 	}
 	return o
 }
+
+// FirecrackerConfig is the Firecracker backend's part of kiln's command
+// line.
+type FirecrackerConfig struct {
+	Bin    string
+	Kernel string
+}
+
+// RegisterFlags defines the Firecracker backend's flags on fs, storing
+// their values in c.
+func (c *FirecrackerConfig) RegisterFlags(fs *flag.FlagSet) {
+	fs.StringVar(&c.Bin, "firecracker-bin", "firecracker", "firecracker: the firecracker binary (a name is looked up on $PATH)")
+	fs.StringVar(&c.Kernel, "firecracker-kernel", "", "firecracker: the guest's vmlinux (default: the one kiln image build --firecracker-kernel built last)")
+}
+
+// Apply sets the fields of o that c configures.
+func (c FirecrackerConfig) Apply(o FirecrackerOptions) FirecrackerOptions {
+	o.Firecracker, o.Kernel = c.Bin, c.Kernel
+	return o
+}

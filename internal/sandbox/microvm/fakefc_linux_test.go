@@ -4,10 +4,11 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -15,6 +16,7 @@ import (
 	"testing"
 
 	"kiln/internal/agentproto"
+	"kiln/internal/egress"
 	"kiln/internal/guestinit"
 	"kiln/internal/image"
 	"kiln/internal/sandbox"
@@ -57,22 +59,45 @@ func runFakeFirecracker(args []string) int {
 	g := newFakeGuest()
 	f.hook = func(op string, body map[string]any) error {
 		switch op {
+		case "PUT /boot-source":
+			// As kiln-agent's guestinit: the box plan on the kernel
+			// command line, which an image older than the plan ignores.
+			if p := guestinit.ParseCmdline(body["boot_args"].(string)).Plan; p != nil && os.Getenv("KILN_FAKE_OLD_GUEST") != "1" {
+				g.plan = p.Digest()
+				g.planNet = p.Network != nil
+			}
+		case "PUT /network-interfaces/{iface_id}":
+			// As Firecracker: it opens the tap by name in its own
+			// network namespace, now.
+			name := body["host_dev_name"].(string)
+			if _, err := net.InterfaceByName(name); err != nil {
+				return fmt.Errorf("opening tap %s: %w", name, err)
+			}
+			g.tap = name
 		case "PUT /vsock":
 			udsPath = body["uds_path"].(string)
 		case "PUT /actions":
 			return g.serve(udsPath, true)
 		case "PUT /snapshot/create":
-			if err := os.WriteFile(body["snapshot_path"].(string), []byte("snapshot_path"), 0o600); err != nil {
-				return err
-			}
 			// The memory carries the guest's random state, as a real
 			// snapshot does.
 			if err := os.WriteFile(body["mem_file_path"].(string), g.save(), 0o600); err != nil {
 				return err
 			}
-		case "PUT /snapshot/load":
-			if _, err := os.Stat(body["snapshot_path"].(string)); err != nil {
+			// The device state names the NIC's tap.
+			if err := os.WriteFile(body["snapshot_path"].(string), []byte(g.tap), 0o600); err != nil {
 				return err
+			}
+		case "PUT /snapshot/load":
+			tap, err := os.ReadFile(body["snapshot_path"].(string))
+			if err != nil {
+				return err
+			}
+			// The snapshot's NIC reopens its tap by name.
+			if g.tap = string(tap); g.tap != "" {
+				if _, err := net.InterfaceByName(g.tap); err != nil {
+					return fmt.Errorf("restoring network device: opening tap %s: %w", g.tap, err)
+				}
 			}
 			mem, err := os.ReadFile(body["mem_backend"].(map[string]any)["backend_path"].(string))
 			if err != nil {
@@ -95,6 +120,9 @@ func runFakeFirecracker(args []string) int {
 const (
 	fakeDrawPython = "import random; print(random.getrandbits(64))"
 	fakeDrawKernel = "import os; print(os.urandom(8).hex())"
+	// fakeNetwork answers the guest's NIC's tap and the address its
+	// seed gave it.
+	fakeNetwork = "print(network)"
 )
 
 // fakeGuest is the state a snapshot carries: Python's random state and
@@ -104,6 +132,11 @@ type fakeGuest struct {
 	mu     sync.Mutex
 	python string
 	kernel string
+	plan   string // the digest of the box plan it was booted with
+
+	planNet bool       // the plan has a network
+	tap     string     // the host device of its NIC; "": none
+	addr    netip.Addr // what its seed said
 }
 
 func newFakeGuest() *fakeGuest { return &fakeGuest{python: rand.Text(), kernel: rand.Text()} }
@@ -111,13 +144,14 @@ func newFakeGuest() *fakeGuest { return &fakeGuest{python: rand.Text(), kernel: 
 func (g *fakeGuest) save() []byte {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	return []byte(g.python + " " + g.kernel)
+	return []byte(fmt.Sprintf("%s %s %v", g.python, g.kernel, g.planNet))
 }
 
 func (g *fakeGuest) load(mem []byte) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	g.python, g.kernel, _ = strings.Cut(string(mem), " ")
+	f := strings.Fields(string(mem))
+	g.python, g.kernel, g.planNet = f[0], f[1], f[2] == "true" // its box plan is in its memory too
 }
 
 // run answers a python request.
@@ -132,6 +166,8 @@ func (g *fakeGuest) run(code string) string {
 		return g.python + "\n"
 	case fakeDrawKernel:
 		return g.kernel + "\n"
+	case fakeNetwork:
+		return fmt.Sprintf("%s %v\n", g.tap, g.addr)
 	}
 	return "4\n"
 }
@@ -162,7 +198,7 @@ func (g *fakeGuest) serve(uds string, hello bool) error {
 				}
 				c.Write([]byte("OK 99\n"))
 				if hello {
-					agentproto.WriteFrame(c, agentproto.Hello{Version: 1, Python: "3.fake"})
+					agentproto.WriteFrame(c, agentproto.Hello{Version: 1, Python: "3.fake", Plan: g.plan})
 				}
 				for {
 					var req agentproto.Request
@@ -179,23 +215,44 @@ func (g *fakeGuest) serve(uds string, hello bool) error {
 }
 
 // serveSeed plays guestinit's seed port: each message reseeds the kernel's
-// RNG and is acknowledged with one byte.
+// RNG, gives the guest its address, and is acknowledged with one byte,
+// which refuses an address for a guest without a network (as guestinit
+// does).
 func (g *fakeGuest) serveSeed(c net.Conn) {
-	msg := make([]byte, guestinit.SeedMessageSize)
 	for {
-		if _, err := io.ReadFull(c, msg); err != nil {
+		s, err := guestinit.ReadSeed(c)
+		if err != nil {
 			return
 		}
+		addr := netip.AddrFrom4(s.Addr)
 		g.mu.Lock()
-		g.kernel = hex.EncodeToString(msg[:8])
+		g.kernel = hex.EncodeToString(s.Entropy[:8])
+		ok := addr.IsUnspecified() || g.planNet && g.tap != ""
+		if ok && !addr.IsUnspecified() {
+			g.addr = addr
+		}
 		g.mu.Unlock()
-		c.Write([]byte{1})
+		if !ok {
+			c.Write([]byte{guestinit.SeedFailed})
+			continue
+		}
+		c.Write([]byte{guestinit.SeedOK})
 	}
 }
 
 // newFakeFirecrackerBackend returns the Firecracker driver, running the
 // test binary as its firecracker.
-func newFakeFirecrackerBackend(t *testing.T) *Firecracker {
+func newFakeFirecrackerBackend(t *testing.T) *Firecracker { return newFakeFirecrackerBackendEnv(t, "") }
+
+// newFakeFirecrackerBackendEnv is newFakeFirecrackerBackend with env
+// (NAME=VALUE words) set for the fake.
+func newFakeFirecrackerBackendEnv(t *testing.T, env string) *Firecracker {
+	return newFakeFirecrackerBackendOpts(t, env, FirecrackerOptions{})
+}
+
+// newFakeFirecrackerBackendOpts is newFakeFirecrackerBackendEnv with
+// opts' Egress and Policy.
+func newFakeFirecrackerBackendOpts(t *testing.T, env string, opts FirecrackerOptions) *Firecracker {
 	self, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
@@ -207,7 +264,7 @@ func newFakeFirecrackerBackend(t *testing.T) *Firecracker {
 	// The driver gives Firecracker an empty environment: a wrapper sets
 	// the switch that makes this test binary the fake.
 	wrapper := filepath.Join(dir, "firecracker")
-	script := fmt.Sprintf("#!/bin/sh\nKILN_FAKE_FIRECRACKER=1 exec %q \"$@\"\n", self)
+	script := fmt.Sprintf("#!/bin/sh\nKILN_FAKE_FIRECRACKER=1 %s exec %q \"$@\"\n", env, self)
 	if err := os.WriteFile(wrapper, []byte(script), 0o755); err != nil {
 		t.Fatal(err)
 	}
@@ -219,6 +276,8 @@ func newFakeFirecrackerBackend(t *testing.T) *Firecracker {
 		StateDir:    filepath.Join(dir, "state"),
 		RunDir:      run,
 		NoCgroup:    true,
+		Egress:      opts.Egress,
+		Policy:      opts.Policy,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -252,6 +311,22 @@ func TestFirecrackerBackend(t *testing.T) {
 	}
 }
 
+// TestFirecrackerOldImage: a guest whose agent predates the box plan
+// boots, ignores the plan on its command line and says hello without it;
+// the driver refuses it, saying why, rather than hand out a box whose
+// guest made up its own limits.
+func TestFirecrackerOldImage(t *testing.T) {
+	b := newFakeFirecrackerBackendEnv(t, "KILN_FAKE_OLD_GUEST=1")
+	sb, err := b.Create(context.Background(), sandbox.Spec{ID: "old"})
+	if err == nil {
+		sb.Close()
+		t.Fatal("a guest that did not apply the box plan was handed out")
+	}
+	if !errors.Is(err, ErrOldImage) {
+		t.Errorf("error %v, want ErrOldImage", err)
+	}
+}
+
 // TestFirecrackerClonesReseed restores two clones of one template and
 // checks that they draw different random numbers, from Python's random
 // module and from the guest kernel: clones share the template's memory,
@@ -278,5 +353,62 @@ func TestFirecrackerClonesReseed(t *testing.T) {
 		if d[0] == d[1] {
 			t.Errorf("two clones drew the same number from %q: %q", code, d[0])
 		}
+	}
+}
+
+// TestFirecrackerEgress: under a policy, the template's NIC is on a tap
+// in Firecracker's own namespace before it boots, every clone's snapshot
+// reopens a tap of its own attachment's there, and its guest is seeded
+// with that attachment's address, which no other clone has; without a
+// policy there is no NIC at all. (The fake checks the tap exists where
+// and when Firecracker would open it.)
+func TestFirecrackerEgress(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("skipping: the egress gateway and Firecracker's network namespace need root")
+	}
+	gw, err := egress.NewGateway(egress.Options{})
+	if err != nil {
+		t.Skipf("skipping: egress gateway unavailable: %v", err)
+	}
+	defer gw.Close()
+	b := newFakeFirecrackerBackendOpts(t, "", FirecrackerOptions{Egress: gw, Policy: egress.MustParsePolicy("example.test")})
+	ctx := context.Background()
+	seen := map[string]bool{}
+	for i := range 2 {
+		sb, err := b.Create(ctx, sandbox.Spec{ID: fmt.Sprintf("fcnet%d", i)})
+		if err != nil {
+			t.Fatalf("create %d: %v", i, err)
+		}
+		defer sb.Close()
+		res, err := sb.RunPython(ctx, fakeNetwork, sandbox.ExecOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		nb, ok := sb.(*netBox)
+		if !ok {
+			t.Fatalf("a box with a network is a %T", sb)
+		}
+		want := egress.TapName + " " + nb.Addr()
+		if got := strings.TrimSpace(res.Stdout.Text); got != want {
+			t.Errorf("clone %d: the guest has %q, its attachment %q", i, got, want)
+		}
+		if seen[nb.Addr()] {
+			t.Errorf("two clones share %s", nb.Addr())
+		}
+		seen[nb.Addr()] = true
+	}
+
+	plain := newFakeFirecrackerBackend(t)
+	sb, err := plain.Create(ctx, sandbox.Spec{ID: "fcnonet"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sb.Close()
+	res, err := sb.RunPython(ctx, fakeNetwork, sandbox.ExecOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.TrimSpace(res.Stdout.Text); got != "invalid IP" {
+		t.Errorf("a guest without a policy has the network %q", got)
 	}
 }

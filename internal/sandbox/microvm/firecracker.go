@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"kiln/internal/egress"
 	"kiln/internal/image"
 )
 
@@ -39,7 +40,13 @@ type FirecrackerOptions struct {
 	Cgroup      string
 	NoCgroup    bool
 	BootTimeout time.Duration // default 60s
-	Logger      *slog.Logger
+	// Egress and Policy give every VM a network interface, as
+	// Options.Egress does QEMU's: a tap in Firecracker's own network
+	// namespace (host_dev_name TapName), bridged to the box's
+	// attachment. Needs root.
+	Egress *egress.Gateway
+	Policy egress.Policy
+	Logger *slog.Logger
 }
 
 // agentVsockPort is where guestinit's bridge listens in the guest.
@@ -133,6 +140,13 @@ type fcDrive struct {
 	IsReadOnly   bool   `json:"is_read_only"`
 }
 
+// fcNetworkInterface is a guest NIC on a tap in Firecracker's namespace.
+type fcNetworkInterface struct {
+	IfaceID     string `json:"iface_id"`
+	HostDevName string `json:"host_dev_name"`
+	GuestMAC    string `json:"guest_mac,omitempty"`
+}
+
 type fcVsock struct {
 	GuestCID int    `json:"guest_cid"`
 	UDSPath  string `json:"uds_path"`
@@ -177,6 +191,10 @@ func (c *fcClient) bootSource(ctx context.Context, b fcBootSource) error {
 
 func (c *fcClient) drive(ctx context.Context, d fcDrive) error {
 	return c.do(ctx, http.MethodPut, "/drives/"+d.DriveID, d, nil)
+}
+
+func (c *fcClient) networkInterface(ctx context.Context, n fcNetworkInterface) error {
+	return c.do(ctx, http.MethodPut, "/network-interfaces/"+n.IfaceID, n, nil)
 }
 
 func (c *fcClient) vsock(ctx context.Context, v fcVsock) error {

@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"kiln/internal/agentproto"
+	"kiln/internal/egress"
 	"kiln/internal/guestinit"
 	"kiln/internal/sandbox"
 	"kiln/internal/sandbox/boxkit"
@@ -31,6 +32,8 @@ type Firecracker struct {
 	log  *slog.Logger
 	tpls *boxkit.TemplateCache[*fcTemplate]
 
+	net *guestNet // every VM's network; nil: none (net_linux.go)
+
 	mu     sync.Mutex
 	live   map[*fcVM]struct{}
 	closed bool
@@ -39,7 +42,26 @@ type Firecracker struct {
 var (
 	_ sandbox.Backend = (*Firecracker)(nil)
 	_ sandbox.Checker = (*Firecracker)(nil)
+	_ sandbox.Noter   = (*Firecracker)(nil)
 )
+
+// CheckFirecrackerHost checks what Firecracker needs of the host before
+// any kernel or image: its binary (a name is looked up on $PATH) and a
+// usable /dev/kvm. It returns the binary's path.
+func CheckFirecrackerHost(bin string) (string, error) {
+	if bin == "" {
+		bin = "firecracker"
+	}
+	fc, err := exec.LookPath(bin)
+	if err != nil {
+		return "", fmt.Errorf("finding firecracker (install Firecracker, a release with vsock_override in its snapshot API, or pass --firecracker-bin): %w", err)
+	}
+	kvm, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0)
+	if err != nil {
+		return "", fmt.Errorf("%w: %v", ErrNoKVM, err)
+	}
+	return fc, kvm.Close()
+}
 
 // NewFirecracker checks opts and returns the backend.
 func NewFirecracker(opts FirecrackerOptions) (*Firecracker, error) {
@@ -57,10 +79,14 @@ func NewFirecracker(opts FirecrackerOptions) (*Firecracker, error) {
 	}
 	fc, err := exec.LookPath(opts.Firecracker)
 	if err != nil {
-		return nil, fmt.Errorf("finding firecracker: %w", err)
+		return nil, fmt.Errorf("finding firecracker (install Firecracker, a release with vsock_override in its snapshot API, or pass --firecracker-bin): %w", err)
 	}
 	opts.Firecracker = fc
+	net := newGuestNet(opts.Egress, opts.Policy)
 	if os.Geteuid() != 0 {
+		if net != nil {
+			return nil, errors.New("microvm: firecracker with an egress policy needs root: its tap lives in a network namespace of its own")
+		}
 		opts.NoCgroup = true
 	}
 	if opts.BootTimeout == 0 {
@@ -72,6 +98,7 @@ func NewFirecracker(opts FirecrackerOptions) (*Firecracker, error) {
 	log := opts.Logger.With("backend", "firecracker")
 	return &Firecracker{
 		opts: opts,
+		net:  net,
 		log:  log,
 		tpls: boxkit.NewTemplateCache(boxkit.TemplateOptions[*fcTemplate]{Name: "template", Logger: log}),
 		live: map[*fcVM]struct{}{},
@@ -79,6 +106,19 @@ func NewFirecracker(opts FirecrackerOptions) (*Firecracker, error) {
 }
 
 func (f *Firecracker) Name() string { return "firecracker" }
+
+// Notes implements sandbox.Noter: what kiln doctor should say beside the
+// check.
+func (f *Firecracker) Notes() []string {
+	jail := "firecracker runs without its jailer: kiln starts it in fresh net, ipc, uts and pid namespaces (QEMU's jail, jail_linux.go, does not apply to it)"
+	if os.Geteuid() != 0 {
+		jail = "firecracker runs without its jailer and, not as root, in the host's namespaces and cgroup"
+	}
+	return []string{
+		jail,
+		"the firecracker driver is tested against Firecracker's API spec with a fake server only, never against a real Firecracker",
+	}
+}
 
 // Check implements sandbox.Checker: the kernel and image exist,
 // firecracker runs, /dev/kvm opens, and a VM starts and runs a command.
@@ -108,7 +148,8 @@ func (f *Firecracker) checkHost(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("%w: %v", ErrNoKVM, err)
 	}
-	return kvm.Close()
+	kvm.Close()
+	return checkTun(f.net)
 }
 
 // Create restores a clone of the template for spec's shape.
@@ -128,6 +169,14 @@ func (f *Firecracker) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sa
 	if err != nil {
 		return nil, fmt.Errorf("restoring vm: %w", err)
 	}
+	if f.net != nil {
+		// The snapshot names its tap (TapName); Firecracker opens it
+		// in its namespace as it loads, where the attachment put it.
+		if v.link, err = attachVM(ctx, f.opts.Egress, f.net, f.opts.Policy, v.cmd.Process.Pid, id); err != nil {
+			v.destroy()
+			return nil, fmt.Errorf("restoring vm: %w", err)
+		}
+	}
 	err = v.api.loadSnapshot(ctx, fcSnapshotLoad{
 		SnapshotPath:  filepath.Join(tpl.dir, "state"),
 		MemBackend:    &fcMemBackend{BackendType: "File", BackendPath: filepath.Join(tpl.dir, "mem")},
@@ -144,20 +193,24 @@ func (f *Firecracker) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sa
 		return nil, fmt.Errorf("restoring vm: %w", err)
 	}
 	v.defer_(closer(conn))
-	return sandbox.RestoreConn(ctx, id, conn, tpl.hello, v.destroy, &sandbox.RestoreOptions{
-		ReseedGuest: func(ctx context.Context) error { return reseedVsock(ctx, v.vsockPath()) },
+	sb, err := sandbox.RestoreConn(ctx, id, conn, tpl.hello, v.destroy, &sandbox.RestoreOptions{
+		ReseedGuest: func(ctx context.Context) error { return reseedVsock(ctx, v.vsockPath(), v.link.seed()) },
 	})
+	if err != nil {
+		return nil, err
+	}
+	return withLink(sb, v.link), nil
 }
 
 // reseedVsock sends the restored guest its seed (see vm.reseed) on
 // guestinit's vsock seed port.
-func reseedVsock(ctx context.Context, uds string) error {
+func reseedVsock(ctx context.Context, uds string, s guestinit.Seed) error {
 	c, err := dialVsock(ctx, uds, guestinit.SeedVsockPort)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	return sendSeed(ctx, c)
+	return sendSeed(ctx, c, s)
 }
 
 // Close kills every live VM.
@@ -199,6 +252,7 @@ func dialVsock(ctx context.Context, uds string, port uint32) (net.Conn, error) {
 
 type fcVM struct {
 	dir     string
+	link    *vmLink // the box's attachment; nil without a network (and in a template)
 	cmd     *exec.Cmd
 	api     *fcClient
 	exited  chan struct{}
@@ -230,6 +284,7 @@ func (f *Firecracker) start(ctx context.Context, id string, l sandbox.Limits) (_
 			v.destroy()
 		}
 	}()
+	v.defer_(func() error { return v.link.close() }) // last: Firecracker is gone
 	v.defer_(func() error { return os.RemoveAll(v.dir) })
 	if err := os.Mkdir(v.dir, 0o700); err != nil {
 		return nil, err
@@ -299,12 +354,15 @@ type fcTemplate struct {
 // StateDir or booting and saving it once; the caller releases it.
 func (f *Firecracker) template(ctx context.Context, l sandbox.Limits, preload []string) (*boxkit.Template[*fcTemplate], error) {
 	mem, cpus := guestShape(l)
-	cmdline := kernelCmdline(l, preload, false, 0, "vsock", "init="+guestinit.AgentPath)
-	b, _ := json.Marshal([]any{1, f.opts.Image.Key, f.opts.Kernel, mem, cpus, cmdline})
+	cmdline := kernelCmdline(l, f.net, preload, false, 0, "vsock", "init="+guestinit.AgentPath)
+	if err := checkCmdline(cmdline); err != nil {
+		return nil, err
+	}
+	b, _ := json.Marshal([]any{1, f.opts.Image.Key, f.opts.Kernel, mem, cpus, cmdline, f.net != nil})
 	key := hashKey(b)
 	tt, err := f.tpls.Get(ctx, key, func(ctx context.Context, _ bool) (*fcTemplate, time.Time, error) {
 		t := &fcTemplate{dir: filepath.Join(f.opts.StateDir, "tpl-"+key)}
-		if h, err := loadHello(filepath.Join(t.dir, "hello")); err == nil {
+		if h, err := loadHello(filepath.Join(t.dir, "hello"), guestPlan(l, f.net).Digest()); err == nil {
 			t.hello = h
 			return t, time.Time{}, nil
 		}
@@ -350,6 +408,19 @@ func (f *Firecracker) saveTemplate(ctx context.Context, t *fcTemplate, l sandbox
 		{"vsock", func(ctx context.Context) error {
 			return v.api.vsock(ctx, fcVsock{GuestCID: 3, UDSPath: v.vsockPath()})
 		}},
+		{"network", func(ctx context.Context) error {
+			if f.net == nil {
+				return nil
+			}
+			// A tap leading nowhere: the template has no box, and its
+			// clones get their own attachment's (Create).
+			_, closeTap, err := egress.LooseTap(v.cmd.Process.Pid)
+			if err != nil {
+				return err
+			}
+			v.defer_(closeTap)
+			return v.api.networkInterface(ctx, fcNetworkInterface{IfaceID: "eth0", HostDevName: egress.TapName, GuestMAC: guestMAC})
+		}},
 		{"entropy", v.api.entropy},
 		{"start", func(ctx context.Context) error { return v.api.action(ctx, "InstanceStart") }},
 		{"wait for agent", func(ctx context.Context) error {
@@ -360,7 +431,7 @@ func (f *Firecracker) saveTemplate(ctx context.Context, t *fcTemplate, l sandbox
 			defer conn.Close()
 			stop := context.AfterFunc(ctx, func() { conn.Close() })
 			defer stop()
-			hello, err = readHello(conn)
+			hello, err = readHello(conn, guestPlan(l, f.net).Digest())
 			return err
 		}},
 		{"pause", func(ctx context.Context) error { return v.api.setState(ctx, "Paused") }},

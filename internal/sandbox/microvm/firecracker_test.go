@@ -71,6 +71,13 @@ var fcSpec = map[string]*schema{
 			"path_on_host": str, "rate_limiter": object, "io_engine": enum("Sync", "Async"), "socket": str,
 		},
 	},
+	"PUT /network-interfaces/{iface_id}": {
+		required: []string{"iface_id", "host_dev_name"},
+		props: map[string]prop{
+			"iface_id": str, "host_dev_name": str, "guest_mac": str,
+			"rx_rate_limiter": object, "tx_rate_limiter": object,
+		},
+	},
 	"PUT /vsock": {
 		required: []string{"guest_cid", "uds_path"},
 		props:    map[string]prop{"guest_cid": {typ: "integer", min: 3}, "uds_path": str, "vsock_id": str},
@@ -105,7 +112,7 @@ var fcSpec = map[string]*schema{
 }
 
 // preBoot are the operations the spec allows only before InstanceStart.
-var preBoot = []string{"PUT /machine-config", "PUT /boot-source", "PUT /drives/{drive_id}", "PUT /vsock", "PUT /entropy"}
+var preBoot = []string{"PUT /machine-config", "PUT /boot-source", "PUT /drives/{drive_id}", "PUT /network-interfaces/{iface_id}", "PUT /vsock", "PUT /entropy"}
 
 func jsonType(v any) string {
 	switch v.(type) {
@@ -179,6 +186,10 @@ func (f *fakeFirecracker) route(method, path string) (string, map[string]string)
 		params["drive_id"] = id
 		path = "/drives/{drive_id}"
 	}
+	if id, ok := strings.CutPrefix(path, "/network-interfaces/"); ok {
+		params["iface_id"] = id
+		path = "/network-interfaces/{iface_id}"
+	}
 	return method + " " + path, params
 }
 
@@ -217,9 +228,11 @@ func (f *fakeFirecracker) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		fail(http.StatusBadRequest, "%v", err)
 		return
 	}
-	if id, ok := params["drive_id"]; ok && body["drive_id"] != id {
-		fail(http.StatusBadRequest, "drive_id %v does not match the path's %q", body["drive_id"], id)
-		return
+	for _, k := range []string{"drive_id", "iface_id"} {
+		if id, ok := params[k]; ok && body[k] != id {
+			fail(http.StatusBadRequest, "%s %v does not match the path's %q", k, body[k], id)
+			return
+		}
 	}
 	if f.failNext == op {
 		f.failNext = ""

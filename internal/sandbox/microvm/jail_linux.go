@@ -18,14 +18,6 @@ import (
 // and no way to gain one; QEMU then applies its own seccomp filter
 // (-sandbox).
 
-// Host uids of jailed QEMU processes: one per VM, from a range no real user
-// or /etc/subuid entry has, and above the jail backend's (1<<30 plus 4096
-// ranges of 65536).
-const (
-	vmmUIDBase  = 1<<30 + 1<<28
-	vmmUIDSlots = 1 << 16
-)
-
 // Inside the new root.
 const (
 	jailVMDir  = "/vm"  // kernel, initrd, rootfs
@@ -53,22 +45,16 @@ func jailCommand(self *os.File, uid int, exe string, args []string, files []*os.
 	}.Command(self)
 }
 
-func closeFiles(fs []*os.File) {
-	for _, f := range fs {
-		f.Close()
-	}
-}
-
 // jailedQEMU returns the command that runs cfg's QEMU jailed as a host uid
 // of its own, and the descriptors to close once it has started.
 func (b *Backend) jailedQEMU(v *vm, cfg vmConfig, files []*os.File) (*exec.Cmd, []*os.File, error) {
-	uid := vmmUIDBase + int(b.uidSlot.Add(1)%vmmUIDSlots)
+	_, uid := b.vmmUIDs.Next()
 	qemu, err := filepath.EvalSymlinks(cfg.QEMU)
 	if err != nil {
 		return nil, nil, err
 	}
-	if !strings.HasPrefix(qemu, "/usr/") {
-		return nil, nil, fmt.Errorf("%s: a jailed QEMU must live under /usr", qemu)
+	if !boxkit.ConfinedSees(qemu) {
+		return nil, nil, fmt.Errorf("%s: a jailed QEMU must live where its jail shows the host's runtime (%s)", qemu, strings.Join(boxkit.ConfinedHostDirs, ", "))
 	}
 	logDir := filepath.Join(v.dir, "log")
 	if err := os.Mkdir(logDir, 0o700); err != nil {

@@ -6,6 +6,7 @@ import (
 	"strings"
 	"testing"
 
+	"kiln/internal/boxpolicy"
 	"kiln/internal/sandbox/boxkit"
 )
 
@@ -30,7 +31,7 @@ func TestJail(t *testing.T) {
 	}
 	defer self.Close()
 	dir := t.TempDir()
-	uid := vmmUIDBase + 4242
+	uid := int(boxpolicy.VMMUIDs.First) + 4242
 	node, err := kvmNode(dir, uid)
 	if err != nil {
 		t.Fatal(err)
@@ -48,7 +49,7 @@ echo done`
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer closeFiles(opened)
+	defer boxkit.CloseFiles(opened)
 	out, err := cmd.CombinedOutput()
 	t.Logf("%s", out)
 	if err != nil {

@@ -29,6 +29,7 @@ import (
 	"regexp"
 	"time"
 
+	"kiln/internal/egress"
 	"kiln/internal/image"
 	"kiln/internal/sandbox"
 )
@@ -45,6 +46,10 @@ var (
 	ErrNoKVM    = errors.New("microvm: hardware virtualization (/dev/kvm) is not usable; software emulation must be asked for explicitly (accel tcg), and is not a security boundary")
 	ErrBadAccel = errors.New("microvm: accelerator must be kvm or tcg")
 	ErrNoQEMU   = errors.New("microvm: qemu-system-x86_64 not found (install the Debian package qemu-system-x86)")
+	// ErrOldImage is a guest whose agent did not say it built its box
+	// from the plan kiln sent it: an image built before the box plan,
+	// whose guest would make up its own limits.
+	ErrOldImage = errors.New("microvm: the guest image's kiln-agent does not apply kiln's box plan (an image older than this kiln): rebuild it with kiln image build")
 )
 
 // Options configure the backend. Image is required; zero fields take
@@ -84,8 +89,14 @@ type Options struct {
 	TemplateMaxClones int
 	TemplateMaxAge    time.Duration
 	// Template is a configured template's files (kiln template), given
-	// to every VM read-only at boxplan.TemplateDir (template_linux.go).
+	// to every VM read-only at boxpolicy.TemplateDir (template_linux.go).
 	Template string
+	// Egress, when set with a non-empty Policy, gives every VM a network
+	// device on a tap wired to the gateway (egress.Gateway.AttachVM):
+	// each box its own attachment, its guest its own address. Without
+	// them a VM has no network device at all.
+	Egress *egress.Gateway
+	Policy egress.Policy
 	// BootTimeout bounds booting a template (or a cold box) to its hello;
 	// default 60s under KVM, 5m under TCG.
 	BootTimeout time.Duration

@@ -3,9 +3,11 @@ package microvm
 import (
 	"fmt"
 	"math"
+	"slices"
 	"strconv"
 	"strings"
 
+	"kiln/internal/boxpolicy"
 	"kiln/internal/guestinit"
 	"kiln/internal/sandbox"
 )
@@ -17,7 +19,13 @@ const (
 	fdSeed  = 5 // our end of a socketpair: entropy for a restored clone
 	fdState = 6 // the migration stream read by a clone
 	fdMem   = 7 // the guest RAM memfd of a template and its clones
+	fdTap   = 8 // the tap of a VM with a network (egress.VMAttachment.Tap)
 )
+
+// guestMAC is every guest's MAC: each VM is alone on its link (its own
+// bridge and veth to the gateway), so one address serves them all, and a
+// clone's matches its template's.
+const guestMAC = "02:6b:69:6c:6e:01"
 
 // memFDPath is where QEMU opens the guest RAM: the inherited memfd.
 var memFDPath = fmt.Sprintf("/proc/self/fd/%d", fdMem)
@@ -35,15 +43,18 @@ type vmConfig struct {
 	Rootfs    string
 	Template  string // read-only ext4 image of a configured template's files; "": none
 	Cmdline   string
+	Plan      string // digest of the box plan on Cmdline, which the guest's hello names
 	MemFile   string // guest RAM file (memFDPath); "" for anonymous RAM (cold boot)
 	MemShared bool   // share=on: a template writes its RAM to MemFile
 	Incoming  bool   // -incoming defer: a clone waits for its state
 	Console   string // file that receives the guest console
 	Seccomp   bool   // -sandbox on with the dangerous groups denied
+	Net       bool   // a virtio-net device on the tap at fdTap
 }
 
 // args returns QEMU's arguments. The machine is QEMU's microvm: no PCI, no
-// firmware, virtio-mmio devices found through ACPI; no network device.
+// firmware, virtio-mmio devices found through ACPI; no network device
+// unless Net, and then one on the tap kiln opened (QEMU opens nothing).
 func (c vmConfig) args() []string {
 	cpu := "max"
 	accel := "tcg,tb-size=256"
@@ -66,6 +77,10 @@ func (c vmConfig) args() []string {
 	if c.Template != "" {
 		a = append(a, "-drive", "id=tpl,if=none,format=raw,readonly=on,file="+escapeOpt(c.Template),
 			"-device", "virtio-blk-device,drive=tpl")
+	}
+	if c.Net {
+		a = append(a, "-netdev", fmt.Sprintf("tap,id=net0,fd=%d,vhost=off", fdTap),
+			"-device", "virtio-net-device,netdev=net0,mac="+guestMAC)
 	}
 	a = append(a,
 		"-device", "virtio-serial-device,max_ports=4",
@@ -105,16 +120,38 @@ func escapeOpt(s string) string { return strings.ReplaceAll(s, ",", ",,") }
 
 // guestUID is the unprivileged user that runs code in the guest (the image
 // creates it).
-const guestUID = 1000
+const guestUID = boxpolicy.UID
 
-// kernelCmdline is the guest kernel's command line: the box's limits, and
-// the transport ("serial" or "vsock") of the agent's stream, as
-// guestinit.Params, which guestinit reads back, and kiln-agent's flags
-// after "--". tscKHz, when not zero, is given to the guest as
+// guestNet is the network every VM of a backend gets
+// (egress.Gateway.VMNetwork); nil: none.
+type guestNet struct {
+	plan boxpolicy.Network
+	env  []string
+}
+
+// guestPlan is the box plan of a guest with limits l and network n, as
+// the jail and gVisor compute theirs, with the workspace the code's. It
+// has no Landlock rules: the VM is the boundary, and the guest applies
+// none.
+func guestPlan(l sandbox.Limits, n *guestNet) boxpolicy.Plan {
+	p := l.Plan(guestUID, guestUID)
+	p.Landlock = nil
+	if n != nil {
+		nw := n.plan
+		p.Network = &nw
+		p.Env = append(slices.Clip(p.Env), n.env...)
+	}
+	return p
+}
+
+// kernelCmdline is the guest kernel's command line: the box plan for
+// limits l and network n (guestPlan), the code's memory and the transport ("serial" or
+// "vsock") of the agent's stream, as guestinit.Params, which guestinit
+// reads back, and kiln-agent's flags after "--". tscKHz, when not zero, is given to the guest as
 // tsc_early_khz: under TCG the guest's TSC runs at the host's rate, and
 // calibrating it against the emulated PIT fails on a busy host and hangs
 // the boot. extra are kernel parameters added before init's arguments.
-func kernelCmdline(l sandbox.Limits, preload []string, verbose bool, tscKHz int64, transport string, extra ...string) string {
+func kernelCmdline(l sandbox.Limits, n *guestNet, preload []string, verbose bool, tscKHz int64, transport string, extra ...string) string {
 	w := []string{
 		"console=ttyS0", "ro", "panic=-1",
 		"reboot=t", "tsc=reliable", "no_timer_check", "random.trust_cpu=on",
@@ -125,10 +162,10 @@ func kernelCmdline(l sandbox.Limits, preload []string, verbose bool, tscKHz int6
 	if !verbose {
 		w = append(w, "quiet", "loglevel=3")
 	}
+	plan := guestPlan(l, n)
 	p := guestinit.DefaultParams()
-	p.WorkspaceBytes, p.TmpBytes, p.Inodes = l.WorkspaceBytes, l.TmpBytes, int64(l.Inodes)
-	p.MemoryBytes, p.Pids, p.OpenFiles = l.MemoryBytes, l.Pids, l.OpenFiles
-	p.UID, p.GID = guestUID, guestUID
+	p.Plan = &plan
+	p.MemoryBytes = l.MemoryBytes
 	p.Transport = transport
 	w = append(w, p.Cmdline()...)
 	w = append(w, extra...)
@@ -144,6 +181,15 @@ func kernelCmdline(l sandbox.Limits, preload []string, verbose bool, tscKHz int6
 		w = append(w, "-v")
 	}
 	return strings.Join(w, " ")
+}
+
+// checkCmdline refuses a kernel command line the kernel would cut: the
+// guest would boot without its box plan's end.
+func checkCmdline(c string) error {
+	if len(c) > guestinit.MaxCmdline {
+		return fmt.Errorf("microvm: the guest's kernel command line is %d bytes, over the kernel's %d: fewer preloaded modules or egress secrets", len(c), guestinit.MaxCmdline)
+	}
+	return nil
 }
 
 // guestReserveMiB is guest RAM beyond the box's memory limit, for the

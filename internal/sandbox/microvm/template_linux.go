@@ -21,7 +21,7 @@ import (
 // in StateDir under a name that hashes the files' tree (paths, modes,
 // sizes, times): a template made again gets a new image. Every VM, the
 // saved one and each clone, has it as a second virtio-blk disk opened
-// read-only by QEMU; the guest's init mounts it at boxplan.TemplateDir
+// read-only by QEMU; the guest's init mounts it at boxpolicy.TemplateDir
 // read-only, nosuid and nodev, and puts its python directory on
 // PYTHONPATH. The image's path is part of the VM's config, so of the
 // saved VM's key: the template's --import modules (in the preload) are

@@ -10,7 +10,7 @@ import (
 	"testing"
 )
 
-// The syscall filter's victim tests (internal/sandbox/policy.go): model
+// The syscall filter's victim tests (internal/boxpolicy/syscalls.go): model
 // code calls what the policy refuses through every entry the CPU offers —
 // the native `syscall` instruction, the i386 `int 0x80` entry from a
 // MAP_32BIT page, and x32-numbered calls (nr | 0x40000000) — and the

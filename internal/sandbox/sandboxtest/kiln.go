@@ -14,6 +14,11 @@ import (
 	"time"
 )
 
+// KilnTags are the build tags BuildKiln builds kiln with. The default
+// build leaves the optional backends out (internal/cli/features.go), so a
+// test package that starts kiln with one of them sets this in an init.
+var KilnTags string
+
 var (
 	kilnOnce sync.Once
 	kilnPath string
@@ -37,7 +42,7 @@ func BuildKiln(t testing.TB) string {
 			return
 		}
 		kilnPath = filepath.Join(filepath.Dir(agent), "kiln")
-		cmd := exec.Command("go", "build", "-o", kilnPath, "./cmd/kiln")
+		cmd := exec.Command("go", "build", "-tags", KilnTags, "-o", kilnPath, "./cmd/kiln")
 		cmd.Dir = filepath.Dir(strings.TrimSpace(string(out)))
 		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 		if out, err := cmd.CombinedOutput(); err != nil {

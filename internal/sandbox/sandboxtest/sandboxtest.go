@@ -36,7 +36,7 @@ type Options struct {
 	// inode cap and its files count against the memory limit (gVisor).
 	MemoryBombKillsBox bool
 	// OwnKernel is true when the box's code runs on a kernel of its own
-	// (microvm), not under kiln's syscall policy (internal/sandbox/policy.go):
+	// (microvm), not under kiln's syscall policy (internal/boxpolicy/syscalls.go):
 	// the hostile syscall case then only requires that the box cannot
 	// create namespaces, and logs what the guest kernel answers otherwise.
 	OwnKernel bool
@@ -54,6 +54,39 @@ type Options struct {
 	// delegated to the user: rlimits only). The memory bombs skip with
 	// that reason; a backend that has one never sets it.
 	NoMemoryLimit string
+	// NoInodeCap, when set, says why the backend's tmpfs have no inode
+	// cap, though the box plan gives them one (gVisor: runsc's tmpfs
+	// refuses nr_inodes). The plan case then does not ask for it; the
+	// inode fill must still end in a refusal or in the box's memory limit.
+	NoInodeCap string
+	// PlanUnverified, when set, says why the plan case has not yet been
+	// seen to pass on the backend. The probe still runs and its reading
+	// and the plan are logged; the checks skip with the reason, so that
+	// the first run shows what differs without failing it. Clear it once
+	// a run passes.
+	PlanUnverified string
+	// PlatformTmpfs, when set, says why the box's tmpfs are the
+	// platform's, mounted without nosuid and nodev and with the
+	// platform's mode and owner (Kubernetes: the kubelet's memory-backed
+	// emptyDirs), and why that is safe. The plan case then checks only
+	// their type and size, and logs the rest.
+	PlatformTmpfs string
+	// NoNodev, when set, says why the backend's tmpfs are not mounted
+	// nodev, though the box plan says so (gVisor: runsc ignores the
+	// option). The plan case then logs their mount options.
+	NoNodev string
+	// NoProcMasks, when set, says why the box plan's /proc masks are not
+	// there and need not be (gVisor: runsc ignores maskedPaths, and its
+	// /proc is the sentry's own). The plan case then logs what it finds.
+	NoProcMasks string
+	// OtherSyscallPolicy, when set, says why the box's code runs under a
+	// seccomp filter other than kiln's syscall policy (Kubernetes without
+	// kiln's profile on its nodes: the runtime's default profile). The
+	// plan case then still wants a filter, and logs what its probes get.
+	OtherSyscallPolicy string
+	// NoPlanEnv, when set, says why code in the backend's boxes does not
+	// get the box plan's environment.
+	NoPlanEnv string
 }
 
 var (

@@ -12,6 +12,7 @@ import (
 	"sync/atomic"
 	"syscall"
 
+	"kiln/internal/boxpolicy"
 	"kiln/internal/sandbox"
 	"kiln/internal/sandbox/boxkit"
 )
@@ -24,7 +25,7 @@ import (
 // the Pyodide files, the host scripts, the snapshot and the wheels (and,
 // for the process that makes the snapshot, one writable directory), no
 // capabilities, no_new_privs, and the seccomp filter
-// sandbox.DenoSyscallPolicy. Its network namespace is empty: no network
+// boxpolicy.DenoSyscallPolicy. Its network namespace is empty: no network
 // at all. Deno's own permissions still apply inside.
 //
 // As a non-root user, the user namespace maps only the user's own uid:
@@ -199,7 +200,7 @@ func (p *platform) command(host paths, args func(paths) []string) (*exec.Cmd, []
 		Env:     p.b.env(in.host),
 		Dir:     in.host,
 		Binds:   binds,
-		Seccomp: sandbox.DenoSyscallPolicy,
+		Seccomp: boxpolicy.DenoSyscallPolicy,
 		Proc:    true, // Deno finds itself through /proc/self/exe
 	}
 	var opened []*os.File

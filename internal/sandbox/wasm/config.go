@@ -15,11 +15,11 @@ type Config struct {
 // RegisterFlags defines the wasm backend's flags on fs, storing their
 // values in c.
 func (c *Config) RegisterFlags(fs *flag.FlagSet) {
-	fs.StringVar(&c.Dir, "wasm-dir", "", "wasm backend: where `kiln wasm install` puts Deno and Pyodide (default: kiln's cache)")
-	fs.StringVar(&c.Deno, "deno", "", "wasm backend: a deno binary instead of the pinned one")
-	fs.StringVar(&c.Wheels, "wasm-wheels", "", "wasm backend: a directory of wheels (pure Python, or built for Pyodide) every box loads at start, offline")
-	fs.BoolVar(&c.Cold, "wasm-cold", false, "wasm backend: load Pyodide from scratch in every box instead of restoring a memory snapshot")
-	fs.StringVar(&c.Pyodide, "pyodide", "", "wasm backend: a Pyodide directory (holding pyodide.mjs) instead of the pinned one")
+	fs.StringVar(&c.Dir, "wasm-dir", "", "wasm: where `kiln wasm install` puts Deno and Pyodide (default: kiln's cache)")
+	fs.StringVar(&c.Deno, "deno", "", "wasm: a deno binary instead of the pinned one")
+	fs.StringVar(&c.Wheels, "wasm-wheels", "", "wasm: a directory of wheels (pure Python, or built for Pyodide) every box loads at start, offline")
+	fs.BoolVar(&c.Cold, "wasm-cold", false, "wasm: load Pyodide from scratch in every box instead of restoring a memory snapshot")
+	fs.StringVar(&c.Pyodide, "pyodide", "", "wasm: a Pyodide directory (holding pyodide.mjs) instead of the pinned one")
 }
 
 // Apply fills opts from the flags.

@@ -14,7 +14,7 @@ import (
 	"github.com/elastic/go-seccomp-bpf/arch"
 	"golang.org/x/sys/unix"
 
-	"kiln/internal/sandbox"
+	"kiln/internal/boxpolicy"
 	"kiln/internal/sandbox/sandboxtest"
 )
 
@@ -232,7 +232,7 @@ func (d *deriver) serve(l int) {
 			name = fmt.Sprint("#", req.Nr)
 		}
 		resp := seccompNotifResp{ID: req.ID}
-		action, decided := sandbox.PolicyAction(sandbox.DenoSyscallPolicy, name, req.Args[:])
+		action, decided := boxpolicy.PolicyAction(boxpolicy.DenoSyscallPolicy, name, req.Args[:])
 		key := name
 		if slices.Contains([]string{"ioctl", "prctl", "clone", "socket", "socketpair"}, name) {
 			key = fmt.Sprintf("%s(%#x, %#x)", name, req.Args[0], req.Args[1])
@@ -242,7 +242,7 @@ func (d *deriver) serve(l int) {
 		case !decided:
 			d.undecided[key]++
 			resp.Flags = unix.SECCOMP_USER_NOTIF_FLAG_CONTINUE
-		case action == sandbox.Deny:
+		case action == boxpolicy.Deny:
 			d.refused[key]++
 			resp.Error = -int32(unix.EPERM)
 		default:

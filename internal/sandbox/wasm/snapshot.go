@@ -24,7 +24,8 @@ import (
 //
 // What boxes of one snapshot share is what Python fixed while it started:
 // its string-hash seed (hash("…")), as jail boxes of one zygote do.
-// random is reseeded in every box; os.urandom is the host's.
+// What sandbox.ReseedCode lists (random, numpy's generator, tempfile's
+// names) is redrawn in every box; os.urandom is the host's.
 
 var _ sandbox.Warmer = (*Backend)(nil)
 

@@ -23,7 +23,7 @@
 //
 // On Linux, Deno itself is confined (box_linux.go): its own namespaces,
 // an unused host uid, no capabilities, no_new_privs and the seccomp filter
-// sandbox.DenoSyscallPolicy, so that a Deno or V8 bug reached from Python
+// boxpolicy.DenoSyscallPolicy, so that a Deno or V8 bug reached from Python
 // is not the host's root.
 //
 // There is no shell: run_shell is refused, and servers do not offer it.
@@ -49,6 +49,7 @@ import (
 
 	_ "embed"
 
+	"kiln/internal/boxpolicy"
 	"kiln/internal/kernel"
 	"kiln/internal/sandbox"
 )
@@ -268,6 +269,14 @@ type config struct {
 	FSBytes  int64    `json:"fsBytes"`
 	Inodes   int      `json:"inodes"`
 	MaxWrite int      `json:"maxWrite"`
+	Reseed   string   `json:"reseed"` // Python a box runs first (sandbox.ReseedCode)
+	// The box's paths, as every backend's (boxpolicy): the workspace
+	// (the code's working directory, which file operations are relative
+	// to), HOME and XDG_CACHE_HOME, all in Pyodide's in-memory
+	// filesystem.
+	Workspace string `json:"workspace"`
+	Home      string `json:"home"`
+	Cache     string `json:"cache"`
 }
 
 // heapMiB is V8's old-space cap for a box with memory limit mem: a
@@ -312,6 +321,11 @@ func (b *Backend) args(p paths, l sandbox.Limits, preload []string) []string {
 		FSBytes:  l.WorkspaceBytes + l.TmpBytes,
 		Inodes:   l.Inodes,
 		MaxWrite: maxWrite,
+		Reseed:   sandbox.ReseedCode,
+
+		Workspace: boxpolicy.Workspace,
+		Home:      boxpolicy.Home,
+		Cache:     boxpolicy.Cache,
 	})
 	return []string{
 		"run",

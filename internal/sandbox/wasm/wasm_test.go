@@ -3,6 +3,7 @@ package wasm
 import (
 	"archive/zip"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -14,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"kiln/internal/boxpolicy"
 	"kiln/internal/sandbox"
 	"kiln/internal/sandbox/sandboxtest"
 	"kiln/internal/session"
@@ -48,7 +50,9 @@ func newTestBackendWith(t *testing.T, opts Options) *Backend {
 var conformance = sandboxtest.Options{
 	NoShell: "the wasm backend has none: " + NoShellReason,
 	NoOS:    "wasm boxes have none: Python runs in WebAssembly, where libc's syscalls, signals, processes, threads and ctypes into libc do not exist",
-	Scale:   2,
+	NoPlanEnv: "Python runs in Pyodide, with no agent and no processes to hand the box plan's environment to: os.environ is Emscripten's, " +
+		"with HOME and XDG_CACHE_HOME set by the kernel (host/kernel.mjs)",
+	Scale: 2,
 }
 
 var _ sandboxtest.LeakChecker = (*Backend)(nil)
@@ -279,6 +283,50 @@ func TestDenoArgs(t *testing.T) {
 	for _, grant := range []string{"--allow-net", "--allow-env", "--allow-run", "--allow-write", "--allow-ffi", "--allow-all", "-A ", "--allow-import", "--allow-sys"} {
 		if strings.Contains(args, grant) {
 			t.Errorf("deno args grant %q: %s", grant, args)
+		}
+	}
+}
+
+// TestReseedFromHost keeps the host's reseed list (sandbox.ReseedCode) the
+// only one: the box's config carries it, and kernel.mjs runs it and
+// redraws no generator of its own.
+func TestReseedFromHost(t *testing.T) {
+	b := &Backend{rt: Runtime{Deno: "/x/deno", Pyodide: "/x/pyodide"}, hostDir: "/x/host"}
+	var cfg config
+	for _, a := range b.args(b.hostPaths(""), sandbox.Limits{MemoryBytes: 1 << 30}, nil) {
+		if strings.HasPrefix(a, "{") {
+			if err := json.Unmarshal([]byte(a), &cfg); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if cfg.Reseed != sandbox.ReseedCode {
+		t.Errorf("the box's config reseeds %q, want sandbox.ReseedCode", cfg.Reseed)
+	}
+	if !strings.Contains(kernelScript, `ns.set("_reseed", cfg.reseed || "")`) || !strings.Contains(kernelScript, "\nexec(_reseed, {})\n") {
+		t.Error("kernel.mjs does not run the config's reseed code")
+	}
+	if strings.Contains(kernelScript, ".seed(") {
+		t.Error("kernel.mjs reseeds a generator itself: add it to sandbox.ReseedCode instead")
+	}
+}
+
+// TestBoxPaths: a box's paths (workspace, HOME, XDG_CACHE_HOME) reach
+// the kernel from the box plan's package, and the kernel spells none of
+// its own.
+func TestBoxPaths(t *testing.T) {
+	b := &Backend{rt: Runtime{Deno: "/x/deno", Pyodide: "/x/pyodide"}, hostDir: "/x/host"}
+	args := b.args(b.hostPaths(""), sandbox.Limits{MemoryBytes: 1 << 30}, nil)
+	var cfg config
+	if err := json.Unmarshal([]byte(args[len(args)-1]), &cfg); err != nil {
+		t.Fatalf("host.mjs's argument: %v", err)
+	}
+	if cfg.Workspace != boxpolicy.Workspace || cfg.Home != boxpolicy.Home || cfg.Cache != boxpolicy.Cache {
+		t.Errorf("paths %q %q %q, want boxpolicy's %q %q %q", cfg.Workspace, cfg.Home, cfg.Cache, boxpolicy.Workspace, boxpolicy.Home, boxpolicy.Cache)
+	}
+	for _, p := range []string{boxpolicy.Workspace, boxpolicy.Home, boxpolicy.Tmp} {
+		if strings.Contains(kernelScript, `"`+p) {
+			t.Errorf("kernel.mjs spells %s itself", p)
 		}
 	}
 }

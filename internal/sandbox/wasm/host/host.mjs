@@ -11,7 +11,7 @@
 // the host as hostile input.
 //
 // Deno.args[0] is a JSON object: {pyodide, driver, preload, memory,
-// maxWrite}.
+// maxWrite, reseed, workspace, home, cache, …}: wasm.go's config.
 
 const cfg = JSON.parse(Deno.args[0]);
 const MAX_FRAME = 64 << 20;

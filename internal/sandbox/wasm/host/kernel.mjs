@@ -4,8 +4,7 @@
 // library: cells run through its _run_cell, so results, displays and
 // tracebacks at <cell N> are the same as on every other backend.
 
-const WORKSPACE = "/work";
-const HOME = "/tmp/home";
+let WORKSPACE, HOME, CACHE; // the box's paths, from the host (boxpolicy)
 const MAX_LIST = 1000; // agentproto.MaxListEntries
 const MAX_READ = 16 << 20; // agentproto.MaxRead
 const MAX_LIVE_TAIL = 2 << 10; // agentproto.MaxLiveTail
@@ -160,9 +159,10 @@ def _kiln_cell(code):
 
 async function init(msg) {
   cfg = msg.init;
+  ({ workspace: WORKSPACE, home: HOME, cache: CACHE } = cfg);
   capMemory(cfg.memory);
   const { loadPyodide } = await import(new URL("file://" + cfg.pyodide + "/pyodide.mjs").href);
-  const opts = { indexURL: cfg.pyodide + "/", env: { HOME, XDG_CACHE_HOME: HOME + "/.cache" } };
+  const opts = { indexURL: cfg.pyodide + "/", env: { HOME, XDG_CACHE_HOME: CACHE } };
   py = null;
   if (cfg.snapshot) {
     try {
@@ -185,7 +185,7 @@ async function init(msg) {
   py.setInterruptBuffer(msg.interruptBuffer);
   const FS = py.FS;
   FS.mkdirTree(WORKSPACE);
-  FS.mkdirTree(HOME + "/.cache");
+  FS.mkdirTree(CACHE);
   const driver = Deno.readTextFileSync(cfg.driver);
   // The driver runs its own main() unless a jail zygote hands it one; a
   // zygote_main that does nothing leaves it a library.
@@ -194,14 +194,18 @@ async function init(msg) {
   ns.set("_src", driver);
   ns.set("_glue", GLUE);
   ns.set("_preload", (cfg.preload || []).join(","));
+  ns.set("_reseed", cfg.reseed || "");
+  ns.set("_workspace", WORKSPACE);
+  ns.set("_home", HOME);
+  ns.set("_cache", CACHE);
   py.runPython(`
 import os, sys
-os.environ["HOME"] = "${HOME}"
-os.environ["XDG_CACHE_HOME"] = "${HOME}/.cache"
-os.chdir("${WORKSPACE}")
-# A box restored from a snapshot starts with its maker's generator state.
-if "random" in sys.modules:
-    sys.modules["random"].seed()
+os.environ["HOME"] = _home
+os.environ["XDG_CACHE_HOME"] = _cache
+os.chdir(_workspace)
+# A box restored from a snapshot starts with its maker's generator state:
+# redraw what the host's one list says (sandbox.ReseedCode).
+exec(_reseed, {})
 os.environ["KILN_ZYGOTE"] = "def zygote_main():\\n    pass\\n"
 os.environ["KILN_PRELOAD"] = _preload
 exec(compile(_src, "<kiln-driver>", "exec"), globals())
@@ -222,7 +226,7 @@ for _m in (socket, _socket):
         if hasattr(_m, _n):
             setattr(_m, _n, _kiln_no_dns)
 del _m, _n, socket, _socket
-del _src, _glue, _preload
+del _src, _glue, _preload, _reseed, _workspace, _home, _cache
 `, { globals: ns });
   capFiles(cfg.fsBytes, cfg.inodes);
   cell = ns.get("_kiln_cell");
