@@ -316,14 +316,16 @@ func (bs backends) checkBackend(ctx context.Context, name string, env backendEnv
 	if !ok {
 		return errors.New("it cannot be checked (it implements no sandbox.Checker)")
 	}
+	err = chk.Check(ctx)
 	// The notes say what the backend shares or lacks here, which matters
-	// most when the check says it is weaker than it should be.
+	// most when the check says it is weaker than it should be, and how the
+	// check's box was made (after it, so they can say).
 	if n, ok := b.(sandbox.Noter); ok {
 		for _, note := range n.Notes() {
 			notes(note)
 		}
 	}
-	return chk.Check(ctx)
+	return err
 }
 
 // microvmAccel is the accelerator a microVM server runs with: its --accel

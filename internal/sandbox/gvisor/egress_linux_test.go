@@ -32,6 +32,14 @@ const webBody = "web:"
 // dial its web host.
 func newEgressWorld(t testing.TB, secrets ...egress.Secret) (web netip.Addr, gw *egress.Gateway) {
 	t.Helper()
+	in, gw := newEgressInternet(t, secrets...)
+	return in.WebAddr, gw
+}
+
+// newEgressInternet is newEgressWorld with the local internet itself,
+// whose web host reports what its /echo received.
+func newEgressInternet(t testing.TB, secrets ...egress.Secret) (*egresstest.Internet, *egress.Gateway) {
+	t.Helper()
 	in := egresstest.New(t)
 	var log *slog.Logger
 	if testing.Verbose() {
@@ -50,7 +58,7 @@ func newEgressWorld(t testing.TB, secrets ...egress.Secret) (web netip.Addr, gw 
 		t.Skipf("skipping: the egress gateway cannot start here: %v", err)
 	}
 	t.Cleanup(func() { gw.Close() })
-	return in.WebAddr, gw
+	return in, gw
 }
 
 func allowedPolicy(t testing.TB) egress.Policy {
@@ -200,14 +208,17 @@ func TestEgressBattery(t *testing.T) {
 	})
 }
 
-// TestEgressSecretTrust: with a secret for an allowed host, a box gets the
-// gateway's CA bundle at boxpolicy.TrustBundle and the variables that
+// TestEgressSecretTrust: with a secret for an allowed host, a box gets
+// the gateway's CA bundle at boxpolicy.TrustBundle and the variables that
 // point TLS clients at it, and sees the secret's placeholder, never its
-// value.
+// value. Its HTTPS request to that host carries the value when it reaches
+// the host, and the value appears nowhere the box can read: any
+// process's environment, its files, its own memory, the echo
+// (sandboxtest.SecretSearchPy).
 func TestEgressSecretTrust(t *testing.T) {
 	testRunsc(t)
 	file := filepath.Join(t.TempDir(), "token")
-	const value = "kiln-test-secret-value-7f3a"
+	const value = "kiln-canary-7f3a0b1c2d3e4f50"
 	if err := os.WriteFile(file, []byte(value+"\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -215,32 +226,42 @@ func TestEgressSecretTrust(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, gw := newEgressWorld(t, sec)
+	in, gw := newEgressInternet(t, sec)
 	b := newTestBackend(t, Options{Cold: true, Egress: gw, Policy: allowedPolicy(t)})
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	sb, err := b.Create(ctx, sandbox.Spec{ID: "egress-secret"})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer sb.Close()
-	out := run(t, sb, `import os
+	sandboxtest.SecretSearchControl(t, func(code string) string { return run(t, sb, code) })
+	out := run(t, sb, `import os, re, urllib.request
 b = open("`+boxpolicy.TrustBundle+`").read()
 print("certs", b.count("BEGIN CERTIFICATE") > 0)
 print("ssl", os.environ.get("SSL_CERT_FILE"))
-print("token", os.environ.get("API_TOKEN"))
-print("env", "`+value+`" in repr(dict(os.environ)))`)
+tok = os.environ.get("API_TOKEN")
+print("token", tok)
+req = urllib.request.Request("https://web.test/echo", headers={"Authorization": "Bearer " + tok})
+with urllib.request.urlopen(req, timeout=20) as r:
+    print("status", r.status, "body", r.read().decode().strip())
+`+sandboxtest.SecretSearchPy)
 	want := bx(sb).egress.TrustBundle()
 	if len(want) == 0 {
 		t.Fatal("control: the attachment has no trust bundle though its policy allows a secret's host")
 	}
-	for _, w := range []string{"certs True", "ssl " + boxpolicy.TrustBundle, "env False"} {
+	if strings.Contains(out, value) {
+		t.Errorf("the value reached the box:\n%s", out)
+	}
+	if got := in.Served(); !slices.Equal(got, []string{"web.test auth=Bearer " + value + " key="}) {
+		t.Errorf("web.test received %q, want the value; the box said:\n%s", got, out)
+	}
+	ph := sec.Placeholder()
+	for _, w := range []string{"certs True", "ssl " + boxpolicy.TrustBundle, "token " + ph,
+		"status 200 body echo web.test auth=Bearer " + ph, "found []"} {
 		if !strings.Contains(out, w) {
 			t.Errorf("missing %q in:\n%s", w, out)
 		}
-	}
-	if strings.Contains(out, value) || !strings.Contains(out, "token ") || strings.Contains(out, "token None") {
-		t.Errorf("the box does not see a placeholder for API_TOKEN:\n%s", out)
 	}
 }
 

@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"unsafe"
 
@@ -32,11 +33,13 @@ type Backend struct {
 	log      *slog.Logger
 	cgroups  *cgroups // nil: no cgroup limits on this host
 	cgErr    error
-	rootless bool                // not root on the host
-	sub      *subIDs             // rootless with subordinate ids: a uid per box; nil: code shares the user's
-	subErr   error               // why sub is nil, rootless
-	slots    *boxpolicy.UIDSlots // the boxes' host uid ranges (newUIDSlots)
-	zy       *zygotes            // nil: every box starts its own python
+	rootless bool                   // not root on the host
+	sub      *subIDs                // rootless with subordinate ids: a uid per box; nil: code shares the user's
+	subErr   error                  // why sub is nil, rootless
+	slots    *boxpolicy.UIDSlots    // the boxes' host uid ranges (newUIDSlots)
+	zy       *zygotes               // nil: every box starts its own python
+	zyErr    error                  // why zy is nil
+	made     atomic.Pointer[string] // how the last box was made, and why (madeNote)
 }
 
 var (
@@ -136,7 +139,9 @@ func (b *Backend) Runtime() sandbox.Runtime {
 
 // Check starts a box and runs a command in it.
 func (b *Backend) Check(ctx context.Context) error {
-	box, err := b.Create(ctx, sandbox.Spec{ID: "doctor"})
+	// With the servers' default preloads, so that the notes say how the
+	// boxes a server makes by default are made (madeNote).
+	box, err := b.Create(ctx, sandbox.Spec{ID: "doctor", Preload: sandbox.DefaultPreload})
 	if err != nil {
 		if b.rootless {
 			if uerr := userNamespaceControl(); uerr != nil {
@@ -169,14 +174,18 @@ func (b *Backend) Check(ctx context.Context) error {
 // Notes say, rootless, what the boxes share with each other and with the
 // user (doctor prints them).
 func (b *Backend) Notes() []string {
+	var notes []string
+	if m := b.made.Load(); m != nil {
+		notes = append(notes, *m)
+	}
 	if !b.rootless {
-		return nil
+		return notes
 	}
 	uid := os.Getuid()
-	notes := []string{
+	notes = append(notes,
 		fmt.Sprintf("rootless: a box's root (its agent) is you, uid %d, in the box's own user namespace; the zygote is off (it needs root)", uid),
 		fmt.Sprintf("rootless: every box's user namespace is owned by uid %d, so the per-user kernel counts of all boxes (user namespaces, inotify instances and watches, POSIX message-queue bytes, queued signals, locked memory) are charged to you together, with your own processes; as root, each box is charged to a host uid of its own", uid),
-	}
+	)
 	if b.sub != nil {
 		first, _ := b.sub.forSlot(1)
 		notes = append(notes, fmt.Sprintf("rootless: code runs as box uid %d, a subordinate uid of yours from %d on, one per box (%d, then they wrap); boxes' processes count against RLIMIT_NPROC of that uid only", boxUID, first, min(b.sub.n, int64(b.slots.Slots()-b.slots.Reserved))))
@@ -193,10 +202,20 @@ func (b *Backend) Notes() []string {
 // without subordinate ids, a box maps only the user's own uid.
 func (b *Backend) sharedUID() bool { return b.rootless && b.sub == nil }
 
+// madeNote records how a box was made, for Notes (kiln doctor says which
+// strategy this host gets, and why).
+func (b *Backend) madeNote(format string, args ...any) {
+	n := "boxes: " + fmt.Sprintf(format, args...)
+	b.made.Store(&n)
+}
+
 // Create starts a box and waits for its agent.
 func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (_ sandbox.Sandbox, err error) {
 	if box, err := b.forkBox(ctx, &spec); box != nil || err != nil {
 		return box, err // from the zygote (zygote_linux.go)
+	}
+	if b.zy == nil {
+		b.madeNote("each starts a python of its own, as a new process (the zygote is off: %v)", b.zyErr)
 	}
 	lim := spec.Limits.WithDefaults()
 	var cl boxkit.Cleanup

@@ -184,4 +184,8 @@ func TestZygoteOneStepDefaultPreload(t *testing.T) {
 			t.Errorf("box %d of the default template (%v) was made in two steps, not cloned in one: the template keeps threads", i, sandbox.DefaultPreload)
 		}
 	}
+	// kiln doctor says so: the backend's notes name the path its last box took.
+	if notes := strings.Join(b.Notes(), "\n"); !strings.Contains(notes, "one-step") || !strings.Contains(notes, strings.Join(sandbox.DefaultPreload, ",")) {
+		t.Errorf("the backend's notes do not say its boxes are cloned in one step from the default template:\n%s", notes)
+	}
 }

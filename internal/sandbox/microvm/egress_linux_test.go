@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 
@@ -16,6 +17,7 @@ import (
 
 	"kiln/internal/boxpolicy"
 	"kiln/internal/egress"
+	"kiln/internal/egress/egresstest"
 	"kiln/internal/sandbox"
 	"kiln/internal/sandbox/microvm"
 	"kiln/internal/sandbox/sandboxtest"
@@ -308,34 +310,57 @@ func mustRun(t *testing.T, ctx context.Context, box sandbox.Sandbox, code string
 // TestEgressTrustBundle: with an egress secret, the guest gets the
 // secret's placeholder (never its value), the gateway's trust bundle at
 // boxpolicy.TrustBundle, read-only, and the variables that point TLS
-// clients at it.
+// clients at it. Its HTTPS request to the secret's host carries the value
+// when it reaches the host, and the value appears nowhere the guest can
+// read: any process's environment, its files, its own memory, the echo
+// (sandboxtest.SecretSearchPy).
 func TestEgressTrustBundle(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("skipping: the egress gateway and a VM's tap need root")
 	}
 	const value = "kiln-canary-0f1e2d3c4b5a6978"
 	t.Setenv("KILN_TEST_VM_SECRET", value)
-	secret, err := egress.ParseSecret("API_TOKEN@web.test=env:KILN_TEST_VM_SECRET")
+	secret, err := egress.ParseSecret("API_TOKEN@api.test=env:KILN_TEST_VM_SECRET")
 	if err != nil {
 		t.Fatal(err)
 	}
-	gw, err := egress.NewGateway(egress.Options{Secrets: []egress.Secret{secret}})
+	in := egresstest.New(t)
+	gw, err := egress.NewGateway(egress.Options{HostsFile: in.HostsFile, Hosts: in.Hosts,
+		TestOnlyAllowedAddrs: in.Allowed(), Resolver: in.Upstream.Resolver(), UpstreamRoots: in.Roots(),
+		Secrets: []egress.Secret{secret}})
 	if err != nil {
 		t.Skipf("skipping: egress gateway unavailable: %v", err)
 	}
 	defer gw.Close()
-	b := newBackend(t, microvm.Options{Egress: gw, Policy: egress.MustParsePolicy("web.test")})
+	b := newBackend(t, microvm.Options{Egress: gw, Policy: egress.MustParsePolicy("api.test")})
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
 	box := create(t, b, sandbox.Spec{ID: "trust"})
-	got := mustRun(t, ctx, box, `import os
+	sandboxtest.SecretSearchControl(t, func(code string) string { return mustRun(t, ctx, box, code) })
+	out := mustRun(t, ctx, box, `import os, re, urllib.request
 p = os.environ.get("SSL_CERT_FILE", "")
 pem = open(p).read() if p else ""
 try:
     open(p, "a").write("x"); w = "writable"
 except OSError: w = "read-only"
-print(p, pem.count("BEGIN CERTIFICATE") > 0, w, os.environ.get("API_TOKEN", "").startswith("kiln-"), "`+value+`" in str(os.environ) or "`+value+`" in pem)`)
-	if want := boxpolicy.TrustBundle + " True read-only True False"; got != want {
-		t.Errorf("trust bundle, placeholder: %q, want %q", got, want)
+tok = os.environ.get("API_TOKEN", "")
+print("bundle", p, pem.count("BEGIN CERTIFICATE") > 0, w)
+print("placeholder", tok)
+req = urllib.request.Request("https://api.test/echo", headers={"Authorization": "Bearer " + tok})
+with urllib.request.urlopen(req, timeout=30) as r:
+    print("status", r.status, "body", r.read().decode().strip())
+`+sandboxtest.SecretSearchPy)
+	if strings.Contains(out, value) {
+		t.Errorf("the value reached the guest:\n%s", out)
+	}
+	if got := in.Served(); !slices.Equal(got, []string{"api.test auth=Bearer " + value + " key="}) {
+		t.Errorf("api.test received %q, want the value; the guest said:\n%s", got, out)
+	}
+	ph := secret.Placeholder()
+	for _, want := range []string{"bundle " + boxpolicy.TrustBundle + " True read-only", "placeholder " + ph,
+		"status 200 body echo api.test auth=Bearer " + ph, "found []"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("missing %q in:\n%s", want, out)
+		}
 	}
 }
