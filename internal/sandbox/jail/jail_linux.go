@@ -139,9 +139,14 @@ func (b *Backend) Runtime() sandbox.Runtime {
 
 // Check starts a box and runs a command in it.
 func (b *Backend) Check(ctx context.Context) error {
-	// With the servers' default preloads, so that the notes say how the
-	// boxes a server makes by default are made (madeNote).
-	box, err := b.Create(ctx, sandbox.Spec{ID: "doctor", Preload: sandbox.DefaultPreload})
+	// From the template of the servers' default preloads, so that the
+	// notes say how the boxes a server makes by default are made
+	// (madeNote); a box started directly does not import them.
+	spec := sandbox.Spec{ID: "doctor"}
+	if b.zy != nil {
+		spec.Preload = sandbox.DefaultPreload
+	}
+	box, err := b.Create(ctx, spec)
 	if err != nil {
 		if b.rootless {
 			if uerr := userNamespaceControl(); uerr != nil {
