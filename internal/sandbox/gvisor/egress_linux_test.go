@@ -235,7 +235,7 @@ func TestEgressSecretTrust(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer sb.Close()
-	sandboxtest.SecretSearchControl(t, func(code string) string { return run(t, sb, code) })
+	sandboxtest.SecretSearchControl(t, ctx, sb)
 	out := run(t, sb, `import os, re, urllib.request
 b = open("`+boxpolicy.TrustBundle+`").read()
 print("certs", b.count("BEGIN CERTIFICATE") > 0)

@@ -38,7 +38,7 @@ type Backend struct {
 	subErr   error                  // why sub is nil, rootless
 	slots    *boxpolicy.UIDSlots    // the boxes' host uid ranges (newUIDSlots)
 	zy       *zygotes               // nil: every box starts its own python
-	zyErr    error                  // why zy is nil
+	zyOff    *string                // with zy nil, the note that says why (madeNote)
 	made     atomic.Pointer[string] // how the last box was made, and why (madeNote)
 }
 
@@ -207,11 +207,13 @@ func (b *Backend) Notes() []string {
 // without subordinate ids, a box maps only the user's own uid.
 func (b *Backend) sharedUID() bool { return b.rootless && b.sub == nil }
 
-// madeNote records how a box was made, for Notes (kiln doctor says which
-// strategy this host gets, and why).
-func (b *Backend) madeNote(format string, args ...any) {
+// madeNote is a note on how boxes are made, for Notes (kiln doctor says
+// which strategy this host gets, and why). The notes of the paths every
+// box takes are made once (zyOff, template.made); a box's Create only
+// stores the pointer.
+func madeNote(format string, args ...any) *string {
 	n := "boxes: " + fmt.Sprintf(format, args...)
-	b.made.Store(&n)
+	return &n
 }
 
 // Create starts a box and waits for its agent.
@@ -220,7 +222,7 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (_ sandbox.Sand
 		return box, err // from the zygote (zygote_linux.go)
 	}
 	if b.zy == nil {
-		b.madeNote("each starts a python of its own, as a new process (the zygote is off: %v)", b.zyErr)
+		b.made.Store(b.zyOff)
 	}
 	lim := spec.Limits.WithDefaults()
 	var cl boxkit.Cleanup

@@ -81,25 +81,24 @@ type template struct {
 	wmu    sync.Mutex
 	done   chan struct{} // closed when the template has exited
 	stderr *tailBuffer
-	// threads are the template's threads besides its main one, by name,
-	// once it stopped the pools it knows of (awaitReady).
-	threads []string
+	// made are the notes of its boxes made in one step and in two
+	// (madeNote), once its hello named the threads it keeps (awaitReady).
+	made [2]*string
 }
 
-// preloads names the modules the template imported ("none").
-func (t *template) preloads() string {
-	if t.key == "" {
-		return "none"
+// makeNotes writes the template's made notes; threads are the names of
+// the threads it keeps besides its main one.
+func (t *template) makeNotes(threads []string) {
+	preloads := t.key
+	if preloads == "" {
+		preloads = "none"
 	}
-	return t.key
-}
-
-// twoStepWhy says why the template forks its boxes in two steps.
-func (t *template) twoStepWhy() string {
-	if len(t.threads) > 0 {
-		return fmt.Sprintf("the template keeps threads its preloads started (%s)", strings.Join(t.threads, ", "))
+	why := "this host or python cannot clone a box in one step (no clone(2) number for it, or a python without the fork steps)"
+	if len(threads) > 0 {
+		why = fmt.Sprintf("the template keeps threads its preloads started (%s)", strings.Join(threads, ", "))
 	}
-	return "this host or python cannot clone a box in one step (no clone(2) number for it, or a python without the fork steps)"
+	t.made[0] = madeNote("forked from a template python that imported its preloads (%s) (the zygote), one-step: cloned straight into the box's namespaces, one copy of the template for its PID 1 and one for its kernel", preloads)
+	t.made[1] = madeNote("forked from a template python that imported its preloads (%s) (the zygote), two-step: one more copy of the template per box, since %s", preloads, why)
 }
 
 // dead says why the template is gone, if it is.
@@ -284,7 +283,7 @@ func (t *template) awaitReady(log *slog.Logger) error {
 	if !hello.Ready {
 		return errors.New("the zygote did not say it is ready")
 	}
-	t.threads = hello.Threads
+	t.makeNotes(hello.Threads)
 	log.Debug("jail zygote ready", "preload", t.key, "preloaded", hello.Preloaded, "threads", 1+len(hello.Threads))
 	if len(hello.Threads) > 0 {
 		// A raw clone(2) would leave those threads' locks held in every
@@ -343,7 +342,7 @@ func (b *Backend) forkBox(ctx context.Context, spec *sandbox.Spec) (sandbox.Sand
 			return nil, ctx.Err()
 		}
 		b.log.Warn("jail zygote unavailable; starting the box directly", "err", err)
-		b.madeNote("started as a python of its own, as a new process: the zygote is unavailable: %v", err)
+		b.made.Store(madeNote("started as a python of its own, as a new process: the zygote is unavailable: %v", err))
 		return nil, nil
 	}
 	box, err := b.fork(ctx, t, *spec)
@@ -352,7 +351,7 @@ func (b *Backend) forkBox(ctx context.Context, spec *sandbox.Spec) (sandbox.Sand
 			return nil, err
 		}
 		b.log.Warn("forking a box from the zygote; starting it directly", "err", err)
-		b.madeNote("started as a python of its own, as a new process: forking it from the zygote failed: %v", err)
+		b.made.Store(madeNote("started as a python of its own, as a new process: forking it from the zygote failed: %v", err))
 		return nil, nil
 	}
 	return box, nil
@@ -481,9 +480,9 @@ func (b *Backend) fork(ctx context.Context, tt *boxkit.Template[*template], spec
 	}
 	b.log.Debug("forked a box", "id", spec.ID, "one_step", gpid == pid, "path", path, "cgroup", sent.Sub(start), "fork", forked.Sub(sent), "ready", time.Since(forked))
 	if gpid == pid {
-		b.madeNote("forked from a template python that imported its preloads (%s) (the zygote), one-step: cloned straight into the box's namespaces, one copy of the template for its PID 1 and one for its kernel", t.preloads())
+		b.made.Store(t.made[0])
 	} else {
-		b.madeNote("forked from a template python that imported its preloads (%s) (the zygote), two-step: one more copy of the template per box, since %s", t.preloads(), t.twoStepWhy())
+		b.made.Store(t.made[1])
 	}
 	return &jailBox{AgentConn: conn, cg: cg, egress: att}, nil
 }
@@ -553,18 +552,23 @@ func copyTail(dst *tailBuffer, src *os.File) {
 	}
 }
 
+// zygoteOff is the made note of a backend whose zygote is off.
+func zygoteOff(why error) *string {
+	return madeNote("each starts a python of its own, as a new process (the zygote is off: %v)", why)
+}
+
 // initZygotes turns the zygote on when Options.Zygote asks for it.
 // (removeOrphanedState removes the mount points of dead servers'
 // templates.)
 func (b *Backend) initZygotes() {
 	if !b.opts.Zygote {
-		b.zyErr = errors.New("not asked for")
+		b.zyOff = zygoteOff(errors.New("not asked for"))
 		return
 	}
 	z, err := newZygotes(b)
 	if err != nil {
 		b.log.Warn("jail zygote off; every box starts its own python", "err", err)
-		b.zyErr = err
+		b.zyOff = zygoteOff(err)
 		return
 	}
 	b.zy = z

@@ -87,13 +87,7 @@ func TestEgressSecret(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer box.Close()
-	sandboxtest.SecretSearchControl(t, func(code string) string {
-		res, err := box.RunPython(ctx, code, sandbox.ExecOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return res.Stdout.Text + res.Stderr.Text
-	})
+	sandboxtest.SecretSearchControl(t, ctx, box)
 	res, err := box.RunPython(ctx, `import os, re, urllib.request
 tok = os.environ["API_TOKEN"]
 print("placeholder", tok)

@@ -336,7 +336,7 @@ func TestEgressTrustBundle(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
 	box := create(t, b, sandbox.Spec{ID: "trust"})
-	sandboxtest.SecretSearchControl(t, func(code string) string { return mustRun(t, ctx, box, code) })
+	sandboxtest.SecretSearchControl(t, ctx, box)
 	out := mustRun(t, ctx, box, `import os, re, urllib.request
 p = os.environ.get("SSL_CERT_FILE", "")
 pem = open(p).read() if p else ""

@@ -413,31 +413,37 @@ for line in open("/proc/self/maps"):
 print("found", found)
 `
 
-// SecretSearchControl is the control of a test that runs SecretSearchPy:
-// run (code in a box, returning its stdout) plants a value of the same
-// shape in the places the search reads (a file in /tmp, another
-// process's environment, the searching process's memory) and searches for
-// it with the same code. A backend on which the search cannot see one of
-// those places fails here, rather than passing the real search with
-// "found []".
-func SecretSearchControl(t *testing.T, run func(code string) string) {
+// SecretSearchControl is the control of a test that runs SecretSearchPy
+// in box: it plants a value of the same shape in the places the search
+// reads (a file in /tmp, another process's environment, the searching
+// process's memory) and searches for it with the same code. A backend on
+// which the search cannot see one of those places fails here, rather than
+// passing the real search with "found []".
+func SecretSearchControl(t *testing.T, ctx context.Context, box sandbox.Sandbox) {
 	t.Helper()
 	search := strings.Replace(SecretSearchPy, `rb"kiln-canary-[0-9a-f]{16}"`, `rb"kiln-control-[0-9a-f]{16}"`, 1)
 	if search == SecretSearchPy {
 		t.Fatal("SecretSearchControl: the search's pattern changed; change its control with it")
 	}
-	out := run(`import os, re, subprocess, sys, time
+	res, err := box.RunPython(ctx, `import os, re, subprocess, sys, time
 ctl = "kiln-" + "control-" + "0123456789abcdef"
 with open("/tmp/kiln-control", "w") as f: f.write(ctl)
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={"CTL": ctl})
 held = [ctl * 2]
 time.sleep(0.5)
 try:
-` + indent(search) + `
+`+indent(search)+`
 finally:
     child.kill()
     os.remove("/tmp/kiln-control")
-`)
+`, sandbox.ExecOptions{})
+	if err != nil {
+		t.Fatalf("control of the secret search: %v", err)
+	}
+	out := res.Stdout.Text + res.Stderr.Text
+	if res.Error != nil {
+		t.Fatalf("control of the secret search: %s: %s\n%s", res.Error.Name, res.Error.Value, out)
+	}
 	for _, want := range []string{"'/tmp/kiln-control'", "'environ of ", "'memory "} {
 		if !strings.Contains(out, want) {
 			t.Fatalf("control: the secret search did not find a planted value (%s...) here, so it cannot show the secret absent:\n%s", want, out)
