@@ -27,8 +27,8 @@ const maxResultLine = 48 << 20
 type pyKernel struct {
 	proc  *os.Process
 	state func() *os.ProcessState // nil while running, and for an adopted kernel
-	// adoptedStatus is an adopted kernel's wait status, reported by the
-	// box's PID 1 (set before exited is closed).
+	// adoptedStatus is an adopted kernel's wait status, which the agent
+	// collects as its parent (set before exited is closed).
 	adoptedStatus *syscall.WaitStatus
 	req           *os.File // our end of the driver's fd 3
 	res           *bufio.Reader
@@ -85,7 +85,7 @@ func startKernel(cfg *Config) (*pyKernel, error) {
 	cmd.Stderr = errW
 	cmd.ExtraFiles = []*os.File{reqR, resW}
 	cmd.SysProcAttr = childAttr(cfg)
-	err = cmd.Start()
+	err = kids.start(cmd)
 	for _, f := range []*os.File{reqR, resW} {
 		f.Close()
 	}
@@ -103,7 +103,7 @@ func startKernel(cfg *Config) (*pyKernel, error) {
 	}
 	go k.pump(outR, k.out)
 	go k.pump(errR, k.errs)
-	go func() { cmd.Wait(); close(k.exited) }()
+	go func() { cmd.Wait(); kids.done(cmd.Process.Pid); close(k.exited) }()
 	if err := k.waitReady(); err != nil {
 		return nil, err
 	}

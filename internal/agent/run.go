@@ -40,9 +40,9 @@ func Run(m Mode) int {
 	}
 	// Code the agent runs may never reach it: no core dumps, no ptrace or
 	// /proc access by its uid, no descriptor inherited by what it starts.
-	// PID 1 only reaps and starts the serving agent, which needs the
-	// bounding set PID 1 keeps.
-	if err := Harden(os.Getpid() != 1 && m.UID >= 0); err != nil {
+	// A guest's PID 1 only reaps and starts the serving agent, which needs
+	// the bounding set PID 1 keeps.
+	if err := Harden((os.Getpid() != 1 || !m.Guest) && m.UID >= 0); err != nil {
 		log.Error("hardening the agent", "err", err)
 		return 1
 	}
@@ -60,14 +60,21 @@ func Run(m Mode) int {
 		}
 		streamPath = p
 	}
-	if os.Getpid() == 1 {
-		// PID 1 only reaps; a child does the work, so exec.Cmd.Wait never
-		// races the reaper for its own children's statuses.
+	if os.Getpid() == 1 && m.Guest {
+		// A guest's PID 1 only reaps; a child does the work, and when it
+		// ends, even by a fault, PID 1 powers the guest off.
 		code := reap(streamPath, adopted)
-		if m.Guest {
-			guestinit.PowerOff()
-		}
+		guestinit.PowerOff()
 		return code
+	}
+	if os.Getpid() == 1 {
+		// Elsewhere the agent is its box's PID 1 (the jail's, a Pod's,
+		// runsc's sandbox) and serves and reaps itself: one process
+		// fewer per box than a reaper with a serving child.
+		if m.AdoptKernel > 0 {
+			kids.adopt(m.AdoptKernel)
+		}
+		reapOrphans()
 	}
 
 	var r io.Reader = os.Stdin

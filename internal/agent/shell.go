@@ -39,7 +39,7 @@ func (a *Agent) runShell(command string, maxOutput int, live *liveTail) (*agentp
 	if err != nil {
 		return nil, err
 	}
-	if err := cmd.Start(); err != nil {
+	if err := kids.start(cmd); err != nil {
 		outs.abandon()
 		return nil, err
 	}
@@ -48,6 +48,7 @@ func (a *Agent) runShell(command string, maxOutput int, live *liveTail) (*agentp
 	a.shells[cmd] = struct{}{}
 	a.smu.Unlock()
 	err = cmd.Wait()
+	kids.done(cmd.Process.Pid)
 	a.smu.Lock()
 	delete(a.shells, cmd)
 	a.smu.Unlock()

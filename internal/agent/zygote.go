@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"fmt"
 	"os"
-	"strconv"
 	"strings"
 	"syscall"
 
@@ -32,25 +31,23 @@ func ExecZygote(cfg Config) error {
 }
 
 // Adopted is a kernel the agent did not start: its pid (a child of the
-// box's PID 1, not of this agent) and the agent's ends of its pipes.
+// box's PID 1, which became this agent after forking it) and the agent's
+// ends of its pipes.
 type Adopted struct {
 	Pid                int
 	Req, Res, Out, Err *os.File
 	// OutW and ErrW are write ends of the kernel's stdout and stderr
 	// pipes, for the agent's own markers (see pyKernel.run).
 	OutW, ErrW *os.File
-	// Status carries the kernel's wait status from the box's PID 1, which
-	// reaps it; nil when there is none (then the exit is watched by pid).
-	Status *os.File
 }
 
 // AdoptedFiles are the descriptors, in order, at which an adopted
 // kernel's pipes reach the agent: 3 (requests), 4 (results), 5 (stdout),
-// 6 (stderr), 7 (its wait status, from PID 1), 8 and 9 (write ends of
-// its stdout and stderr). They arrive inheritable; AdoptedFiles makes them
-// close-on-exec, so no shell command or kernel the agent starts gets one.
+// 6 (stderr), 7 and 8 (write ends of its stdout and stderr). They arrive
+// inheritable; AdoptedFiles makes them close-on-exec, so no shell command
+// or kernel the agent starts gets one.
 func AdoptedFiles() []*os.File {
-	names := []string{"kernel-req", "kernel-res", "kernel-out", "kernel-err", "kernel-status", "kernel-out-w", "kernel-err-w"}
+	names := []string{"kernel-req", "kernel-res", "kernel-out", "kernel-err", "kernel-out-w", "kernel-err-w"}
 	files := make([]*os.File, len(names))
 	for i, name := range names {
 		syscall.CloseOnExec(3 + i)
@@ -61,21 +58,7 @@ func AdoptedFiles() []*os.File {
 
 // NewAdopted names the files of AdoptedFiles.
 func NewAdopted(pid int, f []*os.File) *Adopted {
-	return &Adopted{Pid: pid, Req: f[0], Res: f[1], Out: f[2], Err: f[3], Status: f[4], OutW: f[5], ErrW: f[6]}
-}
-
-// readStatus waits for PID 1's report of how the adopted kernel ended.
-func readStatus(f *os.File) (syscall.WaitStatus, bool) {
-	defer f.Close()
-	line, err := bufio.NewReader(f).ReadString('\n')
-	if err != nil {
-		return 0, false
-	}
-	n, err := strconv.Atoi(strings.TrimSpace(line))
-	if err != nil {
-		return 0, false
-	}
-	return syscall.WaitStatus(n), true
+	return &Adopted{Pid: pid, Req: f[0], Res: f[1], Out: f[2], Err: f[3], OutW: f[4], ErrW: f[5]}
 }
 
 // adoptKernel wraps an adopted kernel and waits for its hello.
@@ -93,12 +76,16 @@ func adoptKernel(a *Adopted) (*pyKernel, error) {
 	go k.pump(a.Out, k.out)
 	go k.pump(a.Err, k.errs)
 	go func() {
-		if a.Status != nil {
-			if ws, ok := readStatus(a.Status); ok {
+		// The agent is the kernel's parent: the box's PID 1 forked it and
+		// then became the agent.
+		if ps, err := proc.Wait(); err == nil {
+			if ws, ok := ps.Sys().(syscall.WaitStatus); ok {
 				k.adoptedStatus = &ws
 			}
+		} else {
+			waitExit(a.Pid) // not our child (an agent started by hand on a pid)
 		}
-		waitExit(a.Pid) // returns at once when PID 1 has reaped it
+		kids.done(a.Pid)
 		close(k.exited)
 	}()
 	if err := k.waitReady(); err != nil {

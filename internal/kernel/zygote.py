@@ -25,12 +25,12 @@
 #                       keeps only the agent's capabilities, enters
 #                       Landlock and seccomp, and
 #             ─fork─▶ K  the box's kernel: drops every privilege, becomes
-#                       the code's uid and serves. P becomes non-dumpable
-#                       and spawns kiln-agent, which adopts K over its
-#                       pipes; P stays the box's PID 1, reaping. P and the
-#                       agent run as the box's root, K and everything it
-#                       starts as the code's uid: code cannot signal, trace
-#                       or read either of them.
+#                       the code's uid and serves. P executes kiln-agent,
+#                       which adopts K over its pipes and stays the box's
+#                       PID 1, serving and reaping. The agent runs as the
+#                       box's root and makes itself non-dumpable, K and
+#                       everything it starts as the code's uid: code cannot
+#                       signal, trace or read the agent.
 #
 # Library pages stay shared copy-on-write between the template and every
 # box. Nothing the template holds is secret, and a box cannot reach it: it
@@ -293,7 +293,6 @@ def _pid1(plan):
     res_r, res_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    st_r, st_w = os.pipe()  # PID 1 tells the agent how the kernel ended
     null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
     k = os.fork()
     if k == 0:
@@ -302,36 +301,14 @@ def _pid1(plan):
         _drop_privileges(plan)
         _arrange([null, out_w, err_w, req_r, res_w])
         return
-    # The agent serves as our child (KILN_AGENT_CHILD), spawned without
-    # copying our memory; we stay PID 1 and only reap, as its own PID 1
-    # mode would, until it exits. It gets the kernel's pipes on fds 3-9
-    # (agent.AdoptedFiles), write ends of stdout and stderr included.
-    _arrange([0, 1, 2, req_w, res_r, out_r, err_r, st_r, out_w, err_w, st_w])
-    os.set_inheritable(10, False)  # the status write end stays with PID 1
+    # Now become the agent, which adopts K over its pipes on fds 3-8
+    # (agent.AdoptedFiles), write ends of stdout and stderr included, and
+    # stays PID 1, serving and reaping: our copy of the template is gone
+    # with the exec, and the box is one process fewer.
+    _arrange([0, 1, 2, req_w, res_r, out_r, err_r, out_w, err_w])
     argv = ["kiln-agent"] + plan["agent_args"] + ["-adopt-kernel", str(k)]
     env = dict(kv.split("=", 1) for kv in plan["env"])
-    env["KILN_AGENT_CHILD"] = "1"
-    agent = os.posix_spawn(plan["agent"], argv, env)
-    os.closerange(0, 10)
-    os.closerange(11, 1 << 20)
-    # Box processes may signal their PID 1 only where it has a handler;
-    # leave them none (Python's own SIGINT one included).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    while True:
-        try:
-            pid, status = os.waitpid(-1, 0)
-        except ChildProcessError:
-            os._exit(1)
-        except InterruptedError:
-            continue
-        if pid == k:
-            try:
-                os.write(10, b"%d\n" % status)
-            except OSError:
-                pass
-            os.close(10)
-        if pid == agent:
-            os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+    os.execve(plan["agent"], argv, env)
 
 
 def _reseed(plan):

@@ -20,8 +20,8 @@ import (
 )
 
 // agentPids are the host pids of kiln-agent in this server's boxes: the
-// agent binary (not the code it runs, which inherits KILN_AGENT_CHILD),
-// and not the box's PID 1 (the same binary, without the variable).
+// agent binary as its box's PID 1 (code starts through the same binary,
+// ExecCode, which is never PID 1).
 func agentPids(agentBin string) []int {
 	bin, err := os.Stat(agentBin)
 	if err != nil {
@@ -34,15 +34,26 @@ func agentPids(agentBin string) []int {
 			b, _ := os.ReadFile(g)
 			for _, f := range strings.Fields(string(b)) {
 				pid, _ := strconv.Atoi(f)
-				env, _ := os.ReadFile(fmt.Sprintf("/proc/%d/environ", pid))
 				exe, err := os.Stat(fmt.Sprintf("/proc/%d/exe", pid))
-				if err == nil && os.SameFile(exe, bin) && bytes.Contains(env, []byte("KILN_AGENT_CHILD=1")) {
+				if err == nil && os.SameFile(exe, bin) && boxPID1(pid) {
 					out = append(out, pid)
 				}
 			}
 		}
 	}
 	return out
+}
+
+// boxPID1 reports whether pid is PID 1 of its own pid namespace: the
+// last of its NSpid.
+func boxPID1(pid int) bool {
+	st, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	for _, line := range strings.Split(string(st), "\n") {
+		if f := strings.Fields(line); len(f) > 2 && f[0] == "NSpid:" {
+			return f[len(f)-1] == "1"
+		}
+	}
+	return false
 }
 
 func stopped(pid int) bool {
@@ -66,9 +77,7 @@ func TestStuckAgentJail(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	stop := `for p in /proc/[0-9]*; do
-  if tr '\0' '\n' < $p/environ 2>/dev/null | grep -qx KILN_AGENT_CHILD=1 && [ $p/exe -ef /proc/1/exe ]; then kill -STOP ${p#/proc/}; fi
-done`
+	stop := `kill -STOP 1`
 	out, err := s.RunShell(ctx, "setsid sh -c 'sleep 0.5; "+strings.ReplaceAll(stop, "'", `'\''`)+"' >/dev/null 2>&1 &", time.Minute)
 	if err != nil {
 		t.Fatalf("planting the stopper: %v %+v", err, out)

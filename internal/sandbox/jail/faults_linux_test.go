@@ -60,9 +60,11 @@ func waitFor(t *testing.T, cond func() bool, what string) {
 func TestKilledMidCall(t *testing.T) {
 	b := newBackend(t)
 	victims := map[string]func(pid int) bool{
+		// The agent is the box's PID 1 (the box init below) in both ways
+		// of making a box; picked by name it is the same process.
 		"agent": func(pid int) bool {
-			env, _ := os.ReadFile(fmt.Sprintf("/proc/%d/environ", pid))
-			return bytes.Contains(env, []byte("KILN_AGENT_CHILD=1"))
+			comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
+			return string(bytes.TrimSpace(comm)) == "kiln-agent"
 		},
 		"box init": func(pid int) bool {
 			st, _ := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))

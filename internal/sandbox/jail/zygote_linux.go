@@ -97,7 +97,7 @@ func (t *template) makeNotes(threads []string) {
 	if len(threads) > 0 {
 		why = fmt.Sprintf("the template keeps threads its preloads started (%s)", strings.Join(threads, ", "))
 	}
-	t.made[0] = madeNote("forked from a template python that imported its preloads (%s) (the zygote), one-step: cloned straight into the box's namespaces, one copy of the template for its PID 1 and one for its kernel", preloads)
+	t.made[0] = madeNote("forked from a template python that imported its preloads (%s) (the zygote), one-step: cloned straight into the box's namespaces as its PID 1, which forks the kernel and becomes the agent", preloads)
 	t.made[1] = madeNote("forked from a template python that imported its preloads (%s) (the zygote), two-step: one more copy of the template per box, since %s", preloads, why)
 }
 

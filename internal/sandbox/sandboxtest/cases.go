@@ -198,6 +198,48 @@ print("\n".join(out))`, port)
 			t.Errorf("after fill: %+v", r.ExecResult)
 		}
 	}},
+	{"orphans are reaped and a command keeps its own exit status", func(t *testing.T, s *suite) {
+		// Orphans re-parent to the box's PID 1, which must reap them (a
+		// zombie holds a slot of the process limit) without taking the
+		// status of a process the agent waits for itself. The control: a
+		// zombie whose parent lives and does not wait is seen as one.
+		s.needShell(t)
+		box := s.box(t)
+		// Polls, not sleeps: a fork in gVisor or a TCG guest is slow.
+		r := sh(t, s, box, `zombies() { grep -l '^State:.Z' /proc/[0-9]*/status 2>/dev/null | wc -l; }
+m=kiln-orph; alive() { grep -l "^${m}an" /proc/[0-9]*/cmdline 2>/dev/null | wc -l; }
+poll() { for i in $(seq 200); do eval "$1" && return; sleep 0.1; done; }
+sh -c 'sleep 0.2 & exec sleep 60' & holder=$!
+poll '[ $(zombies) -ge 1 ]'; echo held=$(zombies)
+kill $holder; wait $holder
+for i in $(seq 20); do (exec -a "${m}an" sleep 1 &); done
+echo ran=$(alive)
+poll '[ $(alive) -eq 0 ]'; echo alive=$(alive)
+poll '[ $(zombies) -eq 0 ]'; echo left=$(zombies)
+exit 3`)
+		if !strings.Contains(r.Stdout.Text, "held=") {
+			t.Fatalf("no zombie count: %s", r.out)
+		}
+		if strings.Contains(r.Stdout.Text, "held=0\n") || strings.Contains(r.Stdout.Text, "ran=0\n") || !strings.Contains(r.Stdout.Text, "alive=0\n") {
+			t.Fatalf("a zombie its parent holds is not seen, or the orphans never ran; the check is blind: %s", r.out)
+		}
+		if !strings.Contains(r.Stdout.Text, "left=0\n") {
+			t.Errorf("orphans stay zombies: %s", r.out)
+		}
+		if r.ExitCode != 3 {
+			t.Errorf("exit code %d, want 3: %+v", r.ExitCode, r.ExecResult)
+		}
+		// Orphans dying all the time while the agent waits for its own.
+		sh(t, s, box, "setsid timeout 10 sh -c 'while :; do (true &); sleep 0.02; done' >/dev/null 2>&1 &")
+		for i := 0; i < 10; i++ {
+			if r := sh(t, s, box, fmt.Sprintf("true & exit %d", 40+i)); r.ExitCode != 40+i {
+				t.Fatalf("amid dying orphans, exit code %d, want %d: %+v", r.ExitCode, 40+i, r.ExecResult)
+			}
+		}
+		if r := py(t, s, box, "import subprocess\nsubprocess.run(['sh', '-c', 'exit 6']).returncode"); r.value() != "6" {
+			t.Errorf("amid dying orphans, a subprocess's status: %q %+v", r.value(), r.Error)
+		}
+	}},
 	{"no process outlives its box", func(t *testing.T, s *suite) {
 		if !s.opts.HostProcesses {
 			t.Skip("the backend's processes are not host processes")
