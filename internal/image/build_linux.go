@@ -221,7 +221,7 @@ func buildBase(ctx context.Context, opts Options, log *slog.Logger) (*base, erro
 		return b, nil
 	}
 	tmp := dir + ".tmp"
-	if err := os.RemoveAll(tmp); err != nil {
+	if err := removeTree(tmp); err != nil {
 		return nil, fmt.Errorf("clearing %s: %w", tmp, err)
 	}
 	if err := os.MkdirAll(tmp, 0o755); err != nil {
@@ -230,7 +230,7 @@ func buildBase(ctx context.Context, opts Options, log *slog.Logger) (*base, erro
 	ok := false
 	defer func() {
 		if !ok {
-			os.RemoveAll(tmp)
+			removeTree(tmp)
 		}
 	}()
 	b := &base{Dir: tmp}
@@ -462,14 +462,16 @@ func configure(root string) error {
 // initramfs, kernel and manifest.
 func pack(ctx context.Context, opts Options, b *base, key, dir string, log *slog.Logger) (*Image, error) {
 	tmp := dir + ".tmp"
-	os.RemoveAll(tmp)
+	if err := removeTree(tmp); err != nil {
+		return nil, fmt.Errorf("clearing %s: %w", tmp, err)
+	}
 	if err := os.MkdirAll(tmp, 0o755); err != nil {
 		return nil, err
 	}
 	ok := false
 	defer func() {
 		if !ok {
-			os.RemoveAll(tmp)
+			removeTree(tmp)
 		}
 	}()
 	im := &Image{

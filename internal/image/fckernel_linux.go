@@ -148,7 +148,7 @@ func (o KernelOptions) key() (string, error) {
 // (about 1.5 GiB once built) is removed afterwards.
 func buildKernel(ctx context.Context, opts KernelOptions, key, dir string, log *slog.Logger) error {
 	tmp := dir + ".tmp"
-	if err := os.RemoveAll(tmp); err != nil {
+	if err := removeTree(tmp); err != nil {
 		return fmt.Errorf("clearing %s: %w", tmp, err)
 	}
 	src := filepath.Join(tmp, "src")
@@ -158,7 +158,7 @@ func buildKernel(ctx context.Context, opts KernelOptions, key, dir string, log *
 	ok := false
 	defer func() {
 		if !ok {
-			os.RemoveAll(tmp)
+			removeTree(tmp)
 		}
 	}()
 	start := time.Now()

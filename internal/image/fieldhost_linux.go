@@ -44,14 +44,14 @@ func BuildFieldHost(ctx context.Context, opts FieldHostOptions) (*FieldHost, err
 	}
 	start := time.Now()
 	tmp := dir + ".tmp"
-	if err := os.RemoveAll(tmp); err != nil {
+	if err := removeTree(tmp); err != nil {
 		return nil, fmt.Errorf("clearing %s: %w", tmp, err)
 	}
 	root := filepath.Join(tmp, "rootfs")
 	if err := os.MkdirAll(tmp, 0o755); err != nil {
 		return nil, err
 	}
-	defer os.RemoveAll(tmp)
+	defer removeTree(tmp)
 	fh := &FieldHost{Key: key, Kernel: "vmlinuz", Initrd: "initrd.img", Rootfs: "rootfs.ext4",
 		Cmdline: FieldHostCmdline, Suite: opts.Suite, Packages: opts.Packages}
 	base, err := fieldHostBase(ctx, log, opts)
@@ -110,14 +110,14 @@ func fieldHostBase(ctx context.Context, log *slog.Logger, opts FieldHostOptions)
 		return root, nil
 	}
 	tmp := dir + ".tmp"
-	if err := os.RemoveAll(tmp); err != nil {
+	if err := removeTree(tmp); err != nil {
 		return "", fmt.Errorf("clearing %s: %w", tmp, err)
 	}
 	troot := filepath.Join(tmp, "rootfs")
 	if err := os.MkdirAll(troot, 0o755); err != nil {
 		return "", err
 	}
-	defer os.RemoveAll(tmp)
+	defer removeTree(tmp)
 	steps := []struct {
 		name string
 		fn   func(context.Context) error
