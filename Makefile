@@ -7,7 +7,7 @@ MAKEFLAGS += --no-print-directory
 GO      ?= go
 BIN     := bin
 APT_RUNTIME := python3 python3-numpy python3-pandas python3-matplotlib python3-dill python3-pip
-APT_TEST    := iproute2 nftables curl qemu-system-x86 debootstrap e2fsprogs systemd uidmap bubblewrap
+APT_TEST    := iproute2 nftables curl qemu-system-x86 debootstrap e2fsprogs systemd uidmap bubblewrap python3-ipykernel python3-jupyter-client
 # The field-host VM: QEMU boots it, debootstrap builds it, mkfs.ext4 packs
 # its disks and debugfs reads the results back.
 APT_FIELDHOST := qemu-system-x86 debootstrap e2fsprogs

@@ -70,7 +70,7 @@ type Options struct {
 	// enough for the pool to refill. Default 100ms.
 	Gap time.Duration
 	// Skip names measurements to leave out (prefixes of their keys:
-	// "spawn", "bwrap", "fork", "pipe", "coldstart", "session", "first", "percall",
+	// "spawn", "bwrap", "fork", "pipe", "jupyter", "coldstart", "session", "first", "percall",
 	// "percall-pandas", "throughput", "hardening", "pss").
 	Skip []string
 	// Progress, if set, gets a line per measurement as it starts.
@@ -299,6 +299,7 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 		{"bwrap", r.bwrap},
 		{"fork", r.fork},
 		{"pipe", r.pipe},
+		{"jupyter", r.jupyter},
 		{"coldstart", r.coldStart},
 		{"session", r.session},
 		{"percall", r.perCall},
@@ -513,10 +514,16 @@ func (r *runner) session(ctx context.Context) error {
 
 	if !r.skipped("session-call") {
 		r.progress("measuring session calls")
+		// The warm-up took boxes from the pool: let it refill first, or
+		// the series shares the CPUs with the pool's forks.
+		if err := sleep(ctx, r.opts.Settle); err != nil {
+			return err
+		}
 		if _, err := srv.call(ctx, "run_python", runPython(printCode, "bench"), printWant); err != nil {
 			return err
 		}
 		var samples []time.Duration
+		logged := srv.boxes.callsLogged()
 		for range r.opts.Iterations {
 			d, err := srv.call(ctx, "run_python", runPython(printCode, "bench"), printWant)
 			if err != nil {
@@ -525,6 +532,12 @@ func (r *runner) session(ctx context.Context) error {
 			samples = append(samples, d)
 		}
 		r.latency("session-call", "session call print(2+2)", samples, "one session, MCP over stdio")
+		// The server's own share of the same calls, from its log: the
+		// rest is the MCP client's and the stdio pipes'.
+		if inServer := srv.boxes.callsSince(logged); len(inServer) > 0 {
+			r.latency("session-call-server", "session call print(2+2), in the server", inServer,
+				"the same calls, as long as the server's log says each took, from its request to its answer")
+		}
 		srv.call(ctx, "reset_session", map[string]any{"session": "bench"}, "")
 	}
 

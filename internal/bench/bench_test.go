@@ -265,3 +265,36 @@ func TestProcessRole(t *testing.T) {
 		t.Errorf("processRole(self) = %q, want %q", got, want)
 	}
 }
+
+// The Jupyter baseline runs cells in a real ipykernel where the host has
+// one, and says which packages it needs where it has none: a python
+// without jupyter_client gives a row that says so, not an error.
+func TestJupyterBaseline(t *testing.T) {
+	py := "/usr/bin/python3"
+	if _, err := os.Stat(py); err != nil {
+		t.Skip("no /usr/bin/python3")
+	}
+	ctx := context.Background()
+	missing := &runner{opts: Options{Python: "/bin/false"}, rep: &Report{}}
+	if err := missing.jupyter(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if m := missing.rep.get("jupyter-call"); m == nil || !strings.Contains(m.Err, "python3-ipykernel") {
+		t.Errorf("jupyter row %+v with no jupyter_client, want a line naming the packages", m)
+	}
+	if why := jupyterMissing(ctx, py); why != "" {
+		t.Skipf("%s (make deps-test installs them)", why)
+	}
+	r := &runner{opts: Options{Python: py, Iterations: 5, ServerArgs: []string{"--preload", "json"}}, rep: &Report{}}
+	if err := r.jupyter(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if m := r.rep.get("jupyter-call"); m == nil || m.Err != "" || m.N != 5 || m.P50 <= 0 {
+		t.Errorf("jupyter row %+v, want 5 cells", m)
+	}
+	for _, k := range []string{"pss-jupyter", "private-jupyter"} {
+		if m := r.rep.get(k); m == nil || m.P50 < 5 || m.P50 > 1024 {
+			t.Errorf("%s row %+v, want a python kernel's tens of MiB", k, m)
+		}
+	}
+}

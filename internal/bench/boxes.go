@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"time"
 )
 
 // How each box was made, read from its server's debug log: the jail logs
@@ -18,6 +19,9 @@ import (
 var (
 	boxPathRe    = regexp.MustCompile(`msg="(?:forked|started) a box".* path=([a-z-]+)`)
 	boxOneStepRe = regexp.MustCompile(`msg="forked a box".* one_step=(true|false)`)
+	// The line the server logs at the end of every tool call, with the
+	// time it spent on it, from its request to its answer.
+	callDurationRe = regexp.MustCompile(`msg=call .*\bduration=([0-9.]+[µnm]?s)\b`)
 )
 
 // boxCounts counts one server's boxes by path, and adds each to total,
@@ -26,6 +30,7 @@ type boxCounts struct {
 	mu    sync.Mutex
 	n     map[string]int
 	total *boxCounts
+	calls []time.Duration // what the server logged each call took, in order
 }
 
 func (c *boxCounts) add(path string) {
@@ -43,6 +48,14 @@ func (c *boxCounts) add(path string) {
 
 // line counts the box a server's log line reports, if it reports one.
 func (c *boxCounts) line(s string) {
+	if m := callDurationRe.FindStringSubmatch(s); m != nil {
+		if d, err := time.ParseDuration(m[1]); err == nil {
+			c.mu.Lock()
+			c.calls = append(c.calls, d)
+			c.mu.Unlock()
+		}
+		return
+	}
 	if m := boxPathRe.FindStringSubmatch(s); m != nil {
 		c.add(m[1])
 	} else if m := boxOneStepRe.FindStringSubmatch(s); m != nil {
@@ -73,6 +86,20 @@ func (c *boxCounts) since(then map[string]int) map[string]int {
 		}
 	}
 	return now
+}
+
+// callsSince returns the call durations the server logged after the
+// first n.
+func (c *boxCounts) callsSince(n int) []time.Duration {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return slices.Clone(c.calls[min(n, len(c.calls)):])
+}
+
+func (c *boxCounts) callsLogged() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.calls)
 }
 
 // boxesMade notes on the row keyed key how the boxes made during it were
