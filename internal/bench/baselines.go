@@ -150,22 +150,12 @@ func (r *runner) fork(ctx context.Context) error {
 	preload := serverPreload(r.opts.ServerArgs)
 	const name = "fork of a python with the preloads, print(2+2)"
 	r.progress("measuring %s", name)
-	cmd := exec.CommandContext(ctx, r.opts.Python, "-c", forkServer, preload)
-	cmd.Env = append(os.Environ(), "MPLBACKEND=Agg")
-	stdin, err := cmd.StdinPipe()
+	h, err := startHelper(ctx, r.opts.Python, nil, "-c", forkServer, preload)
 	if err != nil {
 		return err
 	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		return err
-	}
-	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("starting %s: %w", r.opts.Python, err)
-	}
-	defer cmd.Wait()
-	defer stdin.Close()
-	rd := bufio.NewReader(stdout)
+	defer h.close()
+	stdin, rd := h.stdin, h.out
 	expect := func(want string) (string, error) {
 		got, err := rd.ReadString('\n')
 		if err != nil {
@@ -237,4 +227,70 @@ func (r *runner) fork(ctx context.Context) error {
 	r.add(Measurement{Key: "private-fork", Name: "private memory of an idle forked child", Unit: "MiB", N: 1, P50: v, P99: v,
 		Note: fmt.Sprintf("Private_Clean+Private_Dirty of a fork that ran print(2+2); PSS %.1f MiB beside its parent", float64(mem.Pss)/1024)})
 	return nil
+}
+
+// native measures the backend's own runtime spawned for one print(2+2)
+// without kiln (Traits.Native): latency and CPU per spawn, a tenth of the
+// iterations (at least 3), since such a spawn takes seconds.
+func (r *runner) native(ctx context.Context) error {
+	if r.opts.Traits.Native == nil {
+		return nil
+	}
+	key, name := "spawn-native", r.opts.Backend+"'s own runtime, print(2+2) spawn"
+	argv, err := r.opts.Traits.Native()
+	if err != nil {
+		r.add(Measurement{Key: key, Name: name, Err: "skipped: " + err.Error()})
+		return nil
+	}
+	n := max(r.opts.Iterations/10, 3)
+	r.progress("measuring %s (%d spawns)", name, n)
+	var samples []time.Duration
+	w := r.cpuStart(nil)
+	for range n {
+		start := time.Now()
+		out, err := exec.CommandContext(ctx, argv[0], argv[1:]...).CombinedOutput()
+		d := time.Since(start)
+		if err != nil || !strings.HasSuffix(string(out), "4\n") {
+			return fmt.Errorf("running %s: %v: %s", strings.Join(argv, " "), err, out)
+		}
+		samples = append(samples, d)
+	}
+	span := w.stop()
+	r.latency(key, name, samples, strings.Join(argv, " "))
+	r.cpuRow("cpu-native", "CPU per "+r.opts.Backend+" runtime spawn", span, len(samples), "the bench's cgroup over the series / spawns")
+	return nil
+}
+
+// helper is a python the bench drives over its stdin and stdout (the
+// fork and Jupyter baselines).
+type helper struct {
+	cmd   *exec.Cmd
+	stdin io.WriteCloser
+	out   *bufio.Reader
+}
+
+// startHelper starts python with args, matplotlib on Agg, its stderr to
+// stderr (nil: dropped).
+func startHelper(ctx context.Context, python string, stderr io.Writer, args ...string) (*helper, error) {
+	cmd := exec.CommandContext(ctx, python, args...)
+	cmd.Env = append(os.Environ(), "MPLBACKEND=Agg")
+	cmd.Stderr = stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("starting %s: %w", python, err)
+	}
+	return &helper{cmd: cmd, stdin: stdin, out: bufio.NewReader(stdout)}, nil
+}
+
+// close ends the helper's input and waits for it.
+func (h *helper) close() {
+	h.stdin.Close()
+	h.cmd.Wait()
 }

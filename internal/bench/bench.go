@@ -70,7 +70,7 @@ type Options struct {
 	// enough for the pool to refill. Default 100ms.
 	Gap time.Duration
 	// Skip names measurements to leave out (prefixes of their keys:
-	// "spawn", "bwrap", "fork", "pipe", "jupyter", "coldstart", "session", "first", "percall",
+	// "spawn", "bwrap", "fork", "pipe", "jupyter", "native", "coldstart", "session", "first", "percall",
 	// "percall-pandas", "throughput", "hardening", "pss").
 	Skip []string
 	// Progress, if set, gets a line per measurement as it starts.
@@ -104,6 +104,11 @@ type Traits struct {
 	CPUGroups []string
 	// CPUGroupsNote says what CPUGroups cover, for the report.
 	CPUGroupsNote string
+	// Native, if set, is the backend's own runtime run as a user would
+	// run it for one print(2+2) without kiln (gVisor: runsc do python3
+	// -c): a same-run baseline of the backend's per-call figures. It
+	// returns the command, or why it cannot be had on this host.
+	Native func() (argv []string, err error)
 }
 
 // Default is the run of kiln bench without flags: a zero field of Options
@@ -300,6 +305,7 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 		{"fork", r.fork},
 		{"pipe", r.pipe},
 		{"jupyter", r.jupyter},
+		{"native", r.native},
 		{"coldstart", r.coldStart},
 		{"session", r.session},
 		{"percall", r.perCall},

@@ -1,11 +1,9 @@
 package bench
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"io"
-	"os"
 	"os/exec"
 	"strconv"
 	"strings"
@@ -79,24 +77,13 @@ func (r *runner) jupyter(ctx context.Context) error {
 	}
 	preload := serverPreload(r.opts.ServerArgs)
 	r.progress("measuring %s", name)
-	cmd := exec.CommandContext(ctx, r.opts.Python, "-c", jupyterClient, preload)
-	cmd.Env = append(os.Environ(), "MPLBACKEND=Agg")
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		return err
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		return err
-	}
 	var stderr strings.Builder
-	cmd.Stderr = &limitedWriter{w: &stderr, n: 4096}
-	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("starting %s: %w", r.opts.Python, err)
+	h, err := startHelper(ctx, r.opts.Python, &limitedWriter{w: &stderr, n: 4096}, "-c", jupyterClient, preload)
+	if err != nil {
+		return err
 	}
-	defer cmd.Wait()
-	defer stdin.Close()
-	rd := bufio.NewReader(stdout)
+	defer h.close()
+	stdin, rd := h.stdin, h.out
 	line := func() (string, error) {
 		got, err := rd.ReadString('\n')
 		if err != nil {

@@ -1,11 +1,9 @@
 package bench
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"io"
-	"os/exec"
 	"strings"
 	"time"
 )
@@ -40,21 +38,12 @@ func (r *runner) pipe(ctx context.Context) error {
 }
 
 func pipeRoundTrips(ctx context.Context, python string, n int) ([]time.Duration, error) {
-	cmd := exec.CommandContext(ctx, python, "-u", "-c", pipeLoop)
-	stdin, err := cmd.StdinPipe()
+	h, err := startHelper(ctx, python, nil, "-u", "-c", pipeLoop)
 	if err != nil {
 		return nil, err
 	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
-	}
-	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("starting %s: %w", python, err)
-	}
-	defer cmd.Wait()
-	defer stdin.Close()
-	rd := bufio.NewReader(stdout)
+	defer h.close()
+	stdin, rd := h.stdin, h.out
 	warm := 10
 	var samples []time.Duration
 	for i := range n + warm {

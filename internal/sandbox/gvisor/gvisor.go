@@ -99,9 +99,12 @@ var (
 // Name is the --backend value.
 func (b *Backend) Name() string { return "gvisor" }
 
+// DefaultPlatform is runsc's platform when Options says none.
+const DefaultPlatform = "systrap"
+
 func (o Options) withDefaults() Options {
 	if o.Platform == "" {
-		o.Platform = "systrap"
+		o.Platform = DefaultPlatform
 	}
 	if o.UID == 0 {
 		o.UID = 65534
