@@ -237,7 +237,7 @@ func (r *runner) native(ctx context.Context) error {
 		return nil
 	}
 	key, name := "spawn-native", r.opts.Backend+"'s own runtime, print(2+2) spawn"
-	argv, err := r.opts.Traits.Native()
+	argv, err := r.opts.Traits.Native(r.opts.Python)
 	if err != nil {
 		r.add(Measurement{Key: key, Name: name, Err: "skipped: " + err.Error()})
 		return nil

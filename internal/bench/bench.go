@@ -106,9 +106,10 @@ type Traits struct {
 	CPUGroupsNote string
 	// Native, if set, is the backend's own runtime run as a user would
 	// run it for one print(2+2) without kiln (gVisor: runsc do python3
-	// -c): a same-run baseline of the backend's per-call figures. It
-	// returns the command, or why it cannot be had on this host.
-	Native func() (argv []string, err error)
+	// -c, with the bench's python): a same-run baseline of the backend's
+	// per-call figures. It returns the command, or why it cannot be had
+	// on this host.
+	Native func(python string) (argv []string, err error)
 }
 
 // Default is the run of kiln bench without flags: a zero field of Options
@@ -525,11 +526,11 @@ func (r *runner) session(ctx context.Context) error {
 		if err := sleep(ctx, r.opts.Settle); err != nil {
 			return err
 		}
+		logged := srv.boxes.callsLogged()
 		if _, err := srv.call(ctx, "run_python", runPython(printCode, "bench"), printWant); err != nil {
 			return err
 		}
 		var samples []time.Duration
-		logged := srv.boxes.callsLogged()
 		for range r.opts.Iterations {
 			d, err := srv.call(ctx, "run_python", runPython(printCode, "bench"), printWant)
 			if err != nil {
@@ -540,7 +541,14 @@ func (r *runner) session(ctx context.Context) error {
 		r.latency("session-call", "session call print(2+2)", samples, "one session, MCP over stdio")
 		// The server's own share of the same calls, from its log: the
 		// rest is the MCP client's and the stdio pipes'.
-		if inServer := srv.boxes.callsSince(logged); len(inServer) > 0 {
+		// The log comes over a pipe of its own: wait a moment for the
+		// series' last lines, and leave out the first call's.
+		for i := 0; i < 50 && srv.boxes.callsLogged() < logged+1+len(samples); i++ {
+			if err := sleep(ctx, 20*time.Millisecond); err != nil {
+				return err
+			}
+		}
+		if inServer := srv.boxes.callsSince(logged + 1); len(inServer) > 0 {
 			r.latency("session-call-server", "session call print(2+2), in the server", inServer,
 				"the same calls, as long as the server's log says each took, from its request to its answer")
 		}

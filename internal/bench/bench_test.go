@@ -6,6 +6,7 @@ import (
 	"maps"
 	"os"
 	"os/exec"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -296,5 +297,30 @@ func TestJupyterBaseline(t *testing.T) {
 		if m := r.rep.get(k); m == nil || m.P50 < 5 || m.P50 > 1024 {
 			t.Errorf("%s row %+v, want a python kernel's tens of MiB", k, m)
 		}
+	}
+}
+
+// The server's per-call log line gives the server's share of a call; a
+// box's line and a line without a duration give none.
+func TestCallDurationsFromLog(t *testing.T) {
+	var c boxCounts
+	for _, l := range []string{
+		`time=2026-12-03T07:05:43.275Z level=INFO msg=call principal=local tool=run_python session=bench duration=1.618547ms run=1.197289ms error=false`,
+		`time=2026-12-03T07:05:43.281Z level=DEBUG msg="forked a box" id=ab path=one-step`,
+		`time=2026-12-03T07:05:43.290Z level=INFO msg=call principal=local tool=run_python session=bench duration=2.5s run=2s error=false`,
+		`time=2026-12-03T07:05:43.291Z level=INFO msg=call principal=local tool=run_python session=bench error=true`,
+		`time=2026-12-03T07:05:43.295Z level=INFO msg=call principal=local tool=run_python session=bench duration=830µs run=700µs`,
+	} {
+		c.line(l)
+	}
+	want := []time.Duration{1618547 * time.Nanosecond, 2500 * time.Millisecond, 830 * time.Microsecond}
+	if got := c.callsSince(0); !slices.Equal(got, want) {
+		t.Errorf("calls %v, want %v", got, want)
+	}
+	if got := c.callsSince(2); !slices.Equal(got, want[2:]) {
+		t.Errorf("callsSince(2) = %v, want %v", got, want[2:])
+	}
+	if got := c.snapshot(); got["one-step"] != 1 {
+		t.Errorf("boxes %v, want the forked box counted", got)
 	}
 }

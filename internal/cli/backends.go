@@ -79,7 +79,7 @@ var registry = []backendEntry{
 		// the machine alike.
 		bench: bench.Traits{CPUGroups: []string{strings.TrimPrefix(gvisor.CgroupParent, "/")},
 			CPUGroupsNote: "gVisor's: " + gvisor.CgroupParent + ", runsc's sandbox and gofer processes (every kiln server's on the machine)",
-			Native: func() ([]string, error) {
+			Native: func(python string) ([]string, error) {
 				runsc, err := cachedRunsc()
 				if err != nil {
 					return nil, err
@@ -87,7 +87,7 @@ var registry = []backendEntry{
 				// The platform and network of kiln's boxes by default;
 				// --ignore-cgroups keeps runsc do in the bench's cgroup,
 				// where its CPU is counted (it makes one of its own else).
-				return []string{runsc, "--ignore-cgroups", "--platform=" + gvisor.DefaultPlatform, "--network=none", "do", bench.Default.Python, "-c", "print(2+2)"}, nil
+				return []string{runsc, "--ignore-cgroups", "--platform=" + gvisor.DefaultPlatform, "--network=none", "do", python, "-c", "print(2+2)"}, nil
 			}},
 		flags: func(fs *flag.FlagSet) backendFactory {
 			var c gvisor.Config

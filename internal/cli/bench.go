@@ -22,7 +22,8 @@ spawn, with and without numpy and pandas; a bubblewrap spawn, bwrap
 installed; a fork of a python with the servers' preloads, and the private
 memory of one such child; a round trip over a pipe to a python3 loop; a
 cell in a Jupyter kernel with the same preloads, and its memory, skipped
-with a line saying so without python3-jupyter-client and python3-ipykernel), a
+with a line saying so without python3-jupyter-client and python3-ipykernel;
+with --backend gvisor, runsc do python3 -c, skipped until runsc is built), a
 cold "kiln mcp" start to its first result, a session call, the first call
 of a new session, a per-call run in a fresh sandbox (print and pandas),
 per-call throughput at several concurrencies beside bubblewrap's at the
@@ -68,7 +69,7 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	fs.IntVar(&opts.IdleBoxes, "idle", d.IdleBoxes, "idle sandboxes and sessions the memory figures look at")
 	fs.DurationVar(&opts.Settle, "settle", d.Settle, "pause before each first call on a new session and each series")
 	fs.DurationVar(&opts.Gap, "gap", d.Gap, "pause between the per-call runs of the warm-pool series")
-	fs.StringVar(&skip, "skip", "", "comma-separated measurements to leave out: spawn, bwrap, fork, pipe, jupyter, coldstart, session, first, percall, pandas, throughput, hardening, network, pss")
+	fs.StringVar(&skip, "skip", "", "comma-separated measurements to leave out: spawn, bwrap, fork, pipe, jupyter, native, coldstart, session, first, percall, pandas, throughput, hardening, network, pss")
 	var backendArgs []func() ([]string, error)
 	for _, e := range registry {
 		if e.benchFlags != nil {
