@@ -14,6 +14,7 @@ import (
 	"kiln/internal/bench"
 	"kiln/internal/image"
 	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/cluster"
 	"kiln/internal/sandbox/gvisor"
 	"kiln/internal/sandbox/jail"
 	"kiln/internal/sandbox/microvm"
@@ -182,6 +183,26 @@ var registry = []backendEntry{
 					return nil, errors.New("--allow-net is not supported on the wasm backend (its boxes have no network at all)")
 				}
 				return wasm.New(c.Apply(wasm.Options{Logger: env.log}))
+			}
+		},
+	},
+	{
+		// A front of kiln nodes (kiln node): the nodes make the boxes,
+		// with their own backend, limits and preloads.
+		name:       "cluster",
+		flagPrefix: "cluster-",
+		flags: func(fs *flag.FlagSet) backendFactory {
+			var c cluster.Config
+			c.RegisterFlags(fs)
+			return func(ctx context.Context, env backendEnv) (sandbox.Backend, error) {
+				if !env.net.policy.Empty() {
+					return nil, errors.New("--allow-net is not supported on the cluster backend yet: a kiln node's boxes have no network")
+				}
+				o, err := c.Apply(cluster.Options{Logger: env.log})
+				if err != nil {
+					return nil, err
+				}
+				return cluster.New(o)
 			}
 		},
 	},

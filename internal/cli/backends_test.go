@@ -105,7 +105,7 @@ func TestRegistry(t *testing.T) {
 		t.Errorf("%d factories for %d backends", len(c.backends), len(registry))
 	}
 	_, err := c.backends.newBackend(context.Background(), "nosuch", backendEnv{})
-	if err == nil || !strings.Contains(err.Error(), "jail, gvisor, microvm, firecracker, wasm or kubernetes") {
+	if err == nil || !strings.Contains(err.Error(), "jail, gvisor, microvm, firecracker, wasm, cluster or kubernetes") {
 		t.Errorf("unknown backend: %v", err)
 	}
 }

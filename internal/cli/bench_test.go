@@ -35,7 +35,7 @@ func TestBenchDefaults(t *testing.T) {
 	}
 	d := bench.Default
 	for _, want := range []string{
-		`-backend string` + "\n" + `    	backend of the kiln servers under test: jail, gvisor, microvm, firecracker, wasm or kubernetes (default "` + d.Backend + `")`,
+		`-backend string` + "\n" + `    	backend of the kiln servers under test: jail, gvisor, microvm, firecracker, wasm, cluster or kubernetes (default "` + d.Backend + `")`,
 		`(default "` + d.Python + `")`, `(default "1,2,8")`, `(default ` + d.Duration.String() + `)`, `(default ` + d.Gap.String() + `)`,
 	} {
 		if !strings.Contains(help.String(), want) {

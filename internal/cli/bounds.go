@@ -19,11 +19,17 @@ type bounds struct {
 	boxesPids      int
 }
 
+// register defines the session bounds; registerBoxes the rest.
 func (b *bounds) register(fs *flag.FlagSet) {
 	fs.IntVar(&b.maxSessions, "max-sessions", session.DefaultMaxSessions, "live sessions across all clients")
 	fs.IntVar(&b.perPrincipal, "max-sessions-per-principal", session.DefaultMaxSessionsPerPrincipal, "live sessions one client (stdio process or HTTP token) may hold")
-	fs.IntVar(&b.maxBoxes, "max-boxes", 0, "live sandboxes at once: sessions', per-call and the pool's (default: as many as fit the host's memory at --memory each, 4 to 64)")
 	fs.DurationVar(&b.boxWait, "box-wait", session.DefaultBoxWait, "how long a call waits for a sandbox when --max-boxes are in use before it gets a \"busy\" result")
+}
+
+// registerBoxes defines the bounds of the boxes themselves: how many, and
+// the cgroup of them all.
+func (b *bounds) registerBoxes(fs *flag.FlagSet) {
+	fs.IntVar(&b.maxBoxes, "max-boxes", 0, "live sandboxes at once: sessions', per-call and the pool's (default: as many as fit the host's memory at --memory each, 4 to 64)")
 	fs.Int64Var(&b.boxesMemoryMiB, "boxes-memory", 0, "jail: memory limit of all sandboxes together, MiB, a cgroup around them (default: --max-boxes × --memory, at most 90% of the host's memory)")
 	fs.IntVar(&b.boxesPids, "boxes-pids", 0, "jail: process limit of all sandboxes together (default: --max-boxes × --pids)")
 }

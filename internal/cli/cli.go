@@ -39,6 +39,7 @@ Usage:
                                    the effective configuration file (TOML), and where each value came from
   kiln image build [--force]       build the microVM guest image (Debian packages, cached)
   kiln image build --oci REF       build the kubernetes backend's box image and push it to REF (make build-full)
+  kiln node --tls DIR [flags]      serve boxes to fronts of --backend cluster; kiln node certs --dir DIR makes the certificates
   kiln k8s seccomp-profile         print kiln's seccomp profile for the kubelet (kubernetes backend; make build-full)
   kiln wasm install                install the pinned Deno and Pyodide (wasm backend; needs npm)
   kiln template create NAME --setup FILE | list | rm NAME
@@ -75,6 +76,8 @@ func Main(args []string, stdout, stderr io.Writer) int {
 		err = runConfig(rest, stdout, stderr)
 	case "image":
 		err = runImage(rest, stdout, stderr)
+	case "node":
+		err = runNode(rest, stdout, stderr)
 	case "k8s":
 		err = runK8s(rest, stdout)
 	case "wasm":
@@ -139,15 +142,10 @@ type common struct {
 }
 
 func (c *common) register(fs *flag.FlagSet) {
-	fs.StringVar(&c.backend, "backend", "jail", "isolation backend: "+backendNames())
+	c.registerBox(fs)
 	fs.StringVar(&c.mode, "mode", "session", "session (state persists per session) or per-call (a fresh sandbox for every call)")
-	fs.StringVar(&c.agent, "agent", "", "path of kiln-agent (default: next to kiln, then $PATH)")
 	fs.DurationVar(&c.timeout, "timeout", session.DefaultTimeout, "default time limit of a call")
 	fs.DurationVar(&c.maxTimeout, "max-timeout", session.DefaultMaxTimeout, "largest time limit a call may ask for")
-	fs.Int64Var(&c.memoryMiB, "memory", sandbox.DefaultLimits.MemoryBytes>>20, "memory limit per sandbox, MiB")
-	fs.Int64Var(&c.diskMiB, "disk", sandbox.DefaultLimits.WorkspaceBytes>>20, "workspace size per sandbox, MiB")
-	fs.IntVar(&c.pids, "pids", sandbox.DefaultLimits.Pids, "process limit per sandbox")
-	fs.Float64Var(&c.cpus, "cpus", sandbox.DefaultLimits.CPUs, "CPU limit per sandbox, cores")
 	fs.IntVar(&c.maxOutput, "max-output", agentproto.DefaultMaxOutput, "bytes of stdout and of stderr a result shows per call (head and tail); see --keep-output")
 	fs.IntVar(&c.poolSize, "pool", 1, "sandboxes kept ready ahead of demand")
 	fs.IntVar(&c.poolWorkers, "pool-workers", 1, "sandboxes prepared at once when refilling the pool")
@@ -157,16 +155,28 @@ func (c *common) register(fs *flag.FlagSet) {
 	c.jobs.register(fs)
 	c.hib.register(fs)
 	c.snapshots.register(fs)
-	fs.StringVar(&c.preload, "preload", strings.Join(sandbox.DefaultPreload, ","), "Python modules imported before the first call (skipped when missing)")
 	fs.StringVar(&c.allowNet, "allow-net", "", "hosts sandboxes may reach over HTTP(S), comma-separated: host, *.domain, host:port (default: none, loopback only)")
 	fs.StringVar(&c.allowNetFor, "allow-net-for", "", "allowlists of named clients (HTTP token or OIDC principals; * for every other client), each within --allow-net: PRINCIPAL=HOSTS entries separated by ;, HOSTS as --allow-net takes them, empty for no network, e.g. 'ci=pypi.org,files.pythonhosted.org; *=' (default: every client gets --allow-net)")
 	fs.StringVar(&c.egressHosts, "egress-hosts", "", "hosts file (/etc/hosts format) the egress gateway resolves names with before DNS")
 	fs.StringVar(&c.egressListen, "egress-listen", "", "an IPv4 address of this kiln that the boxes reach over the network, where the egress gateway serves their DNS (port 53) and HTTP proxy (3128): required with --allow-net on the kubernetes backend (in a Pod, its own IP), unused by the others, which wire each box to the gateway themselves")
 	fs.StringVar(&c.secrets, "egress-secrets", "", "credentials the egress gateway adds to HTTPS requests, comma-separated NAME@HOST=env:VAR or NAME@HOST=file:PATH: a box sees $NAME as a placeholder, and the gateway puts the value in its requests' headers to HOST alone (HOST must be in --allow-net)")
+	groupUsage(fs)
+}
+
+// registerBox defines the flags of how boxes are made and what each and
+// all of them may use: every serving command's, and all of kiln node's.
+func (c *common) registerBox(fs *flag.FlagSet) {
+	fs.StringVar(&c.backend, "backend", "jail", "isolation backend: "+backendNames())
+	fs.StringVar(&c.agent, "agent", "", "path of kiln-agent (default: next to kiln, then $PATH)")
+	fs.Int64Var(&c.memoryMiB, "memory", sandbox.DefaultLimits.MemoryBytes>>20, "memory limit per sandbox, MiB")
+	fs.Int64Var(&c.diskMiB, "disk", sandbox.DefaultLimits.WorkspaceBytes>>20, "workspace size per sandbox, MiB")
+	fs.IntVar(&c.pids, "pids", sandbox.DefaultLimits.Pids, "process limit per sandbox")
+	fs.Float64Var(&c.cpus, "cpus", sandbox.DefaultLimits.CPUs, "CPU limit per sandbox, cores")
+	c.bounds.registerBoxes(fs)
+	fs.StringVar(&c.preload, "preload", strings.Join(sandbox.DefaultPreload, ","), "Python modules imported before the first call (skipped when missing)")
 	c.tpl.register(fs)
 	c.backends = registerBackends(fs)
 	fs.BoolVar(&c.verbose, "v", false, "debug logging on stderr")
-	groupUsage(fs)
 }
 
 func (c *common) logger(stderr io.Writer) *slog.Logger {

@@ -372,6 +372,26 @@ func (c *AgentConn) call(ctx context.Context, req agentproto.Request) (resp *age
 	}
 }
 
+// Forward sends req, a request another host made of this box (a kiln
+// node relays its front's requests), as one of this connection's own, and
+// returns the box's answer, validated as every answer is. The answer
+// carries this connection's request ID; the relay puts its own back. An
+// operation the agent refused is an answer (its Error set), not an error:
+// the error is the box's death, a fault, or ctx. live gets the request's
+// Output frames when req.Live; without live the request asks for none.
+func (c *AgentConn) Forward(ctx context.Context, req agentproto.Request, live OutputFunc) (*agentproto.Response, error) {
+	req.Live = req.Live && live != nil
+	if req.Live {
+		ctx = WithOutput(ctx, live)
+	}
+	resp, err := c.call(ctx, req)
+	var ae *AgentError
+	if errors.As(err, &ae) && resp != nil {
+		return resp, nil
+	}
+	return resp, err
+}
+
 // forget gives up on a request; its answer, if it comes, is dropped.
 func (c *AgentConn) forget(id uint64) {
 	c.mu.Lock()

@@ -207,6 +207,29 @@ func (l Limits) WithDefaults() Limits {
 	return l
 }
 
+// Within returns l with every field held to ceil's: a field that is zero
+// or above ceil's takes ceil's. A host that makes boxes for another (a kiln
+// node for its front) holds what it is asked for within its own limits.
+func (l Limits) Within(ceil Limits) Limits {
+	ceil = ceil.WithDefaults()
+	hold := func(v, c int64) int64 {
+		if v <= 0 || v > c {
+			return c
+		}
+		return v
+	}
+	l.MemoryBytes = hold(l.MemoryBytes, ceil.MemoryBytes)
+	l.Pids = int(hold(int64(l.Pids), int64(ceil.Pids)))
+	if !(l.CPUs > 0 && l.CPUs <= ceil.CPUs) { // NaN too
+		l.CPUs = ceil.CPUs
+	}
+	l.WorkspaceBytes = hold(l.WorkspaceBytes, ceil.WorkspaceBytes)
+	l.TmpBytes = hold(l.TmpBytes, ceil.TmpBytes)
+	l.Inodes = int(hold(int64(l.Inodes), int64(ceil.Inodes)))
+	l.OpenFiles = int(hold(int64(l.OpenFiles), int64(ceil.OpenFiles)))
+	return l
+}
+
 // Sandbox is one live box. Its methods may be called concurrently; Interrupt
 // and Close unblock a running call.
 type Sandbox interface {

@@ -1,0 +1,82 @@
+// Package cluster spreads boxes over many hosts: kiln node, a daemon on
+// each host, makes boxes with a node-local backend (the jail, gVisor, a
+// microVM) and serves them to front servers, and the cluster backend of a
+// front (kiln mcp or serve --backend cluster) places each new box on a
+// node and talks to its agent through the node.
+//
+// A front connects to a node once per box, over TLS with certificates on
+// both ends from one CA of the operator's (kiln node certs): a node serves
+// only a client whose certificate the CA signed for client use, and a
+// front talks only to a server whose certificate the CA signed for server
+// use under the name NodeServerName. A box never holds either, and the
+// node's boxes have no network, so no box can reach a node as a front.
+//
+// On the connection the front first writes one Open frame. For a status,
+// the node answers with a Status and closes the connection. For a box, it
+// makes one within its own limits and answers with the box's agent hello;
+// from then on the connection carries the agent protocol (agentproto), the
+// node relaying each of the front's requests to the box as one of its own
+// and each answer back under the front's request ID. Both ends validate
+// every frame from the box, the node first. Closing the connection
+// destroys the box; a box that dies closes the connection.
+package cluster
+
+import (
+	"errors"
+	"fmt"
+
+	"kiln/internal/sandbox"
+)
+
+// Open is a front's first frame on a connection to a node.
+type Open struct {
+	Op string `json:"op"` // OpCreate or OpStatus
+	// Limits are what the front asks of the box; the node holds them
+	// within its own (sandbox.Limits.Within).
+	Limits sandbox.Limits `json:"limits"`
+	// Urgent is sandbox.Spec.Urgent: a call waits for the box.
+	Urgent bool `json:"urgent,omitempty"`
+}
+
+// Open operations.
+const (
+	OpCreate = "create"
+	OpStatus = "status"
+)
+
+// Status is a node's answer to OpStatus: what placement weighs.
+type Status struct {
+	Backend  string `json:"backend"`
+	Boxes    int    `json:"boxes"`     // live boxes the node made for fronts
+	MaxBoxes int    `json:"max_boxes"` // the node's cap; a node at it refuses OpCreate
+}
+
+// maxOpenFrame bounds the frames before the agent protocol: an Open, a
+// Status.
+const maxOpenFrame = 64 << 10
+
+// Free is the share of the node's boxes still to be had, 0 when full.
+func (s Status) Free() float64 {
+	if s.MaxBoxes <= 0 || s.Boxes >= s.MaxBoxes {
+		return 0
+	}
+	return float64(s.MaxBoxes-s.Boxes) / float64(s.MaxBoxes)
+}
+
+func (o *Open) check() error {
+	switch o.Op {
+	case OpCreate, OpStatus:
+		return nil
+	case "":
+		return errors.New("the open frame names no operation")
+	default:
+		return fmt.Errorf("unknown operation %q", o.Op)
+	}
+}
+
+func (s *Status) check() error {
+	if s.Boxes < 0 || s.MaxBoxes < 0 || len(s.Backend) > 64 {
+		return fmt.Errorf("a malformed status (%d of %d boxes, backend %.64q)", s.Boxes, s.MaxBoxes, s.Backend)
+	}
+	return nil
+}

@@ -1,0 +1,482 @@
+package cluster_test
+
+import (
+	"context"
+	"crypto/tls"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"kiln/internal/agentproto"
+	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/cluster"
+	"kiln/internal/sandbox/jail"
+	"kiln/internal/sandbox/sandboxtest"
+)
+
+func TestMain(m *testing.M) {
+	jail.MaybeInit()
+	os.Exit(m.Run())
+}
+
+var (
+	jailOnce sync.Once
+	jailB    *jail.Backend
+	jailErr  error
+)
+
+// localJail is one jail backend the test nodes share, as the boxes of two
+// nodes on one host would share its kernel. Tests that need it skip where
+// the jail does not run.
+func localJail(t *testing.T) *jail.Backend {
+	t.Helper()
+	if os.Getuid() != 0 {
+		t.Skip("the cluster tests serve jail boxes, which need root here (the rootless jail is tested on the field host)")
+	}
+	agent := sandboxtest.BuildAgent(t)
+	jailOnce.Do(func() { jailB, jailErr = jail.New(jail.Options{Agent: agent}) })
+	if jailErr != nil {
+		t.Fatal(jailErr)
+	}
+	return jailB
+}
+
+// certs writes a certificate directory for the test.
+func certs(t *testing.T) string {
+	t.Helper()
+	dir := filepath.Join(t.TempDir(), "certs")
+	if err := cluster.WriteCerts(dir, time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+// startNode serves a node on a loopback port and returns its address.
+func startNode(t *testing.T, dir string, o cluster.NodeOptions) (string, *cluster.Node) {
+	t.Helper()
+	if o.Backend == nil {
+		o.Backend = localJail(t)
+	}
+	if o.TLS == nil {
+		cfg, err := cluster.NodeTLS(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		o.TLS = cfg
+	}
+	if o.MaxBoxes == 0 {
+		o.MaxBoxes = 8
+	}
+	n, err := cluster.NewNode(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- n.Serve(ln) }()
+	t.Cleanup(func() {
+		n.Close()
+		if err := <-done; err != nil {
+			t.Errorf("node: %v", err)
+		}
+	})
+	return ln.Addr().String(), n
+}
+
+func front(t *testing.T, dir string, nodes ...string) *cluster.Backend {
+	t.Helper()
+	cfg, err := cluster.FrontTLS(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := cluster.New(cluster.Options{Nodes: nodes, TLS: cfg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// TestConformance runs the whole conformance suite, the hostile battery
+// included, on boxes made by two nodes and reached through a front.
+func TestConformance(t *testing.T) {
+	dir := certs(t)
+	a, _ := startNode(t, dir, cluster.NodeOptions{})
+	b, _ := startNode(t, dir, cluster.NodeOptions{})
+	sandboxtest.RunWith(t, leakChecked{front(t, dir, a, b), localJail(t)}, sandboxtest.Options{HostProcesses: true})
+}
+
+// leakChecked is a front whose leftovers are its nodes' jail's: a box the
+// front closed must be gone from the node's host too.
+type leakChecked struct {
+	*cluster.Backend
+	jail *jail.Backend
+}
+
+func (l leakChecked) Leftovers() []string { return l.jail.Leftovers() }
+
+// TestAuth: a node serves only a front with a certificate of its CA made
+// for client use, and a front talks only to a node with one made for
+// server use. The control, the right front, is asked first.
+func TestAuth(t *testing.T) {
+	dir := certs(t)
+	other := certs(t)
+	addr, _ := startNode(t, dir, cluster.NodeOptions{})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if st, err := front(t, dir, addr).Status(ctx, addr); err != nil || st.Backend != "jail" {
+		t.Fatalf("control: the right front's status: %+v, %v", st, err)
+	}
+	status := func(t *testing.T, cfg *tls.Config) error {
+		b, err := cluster.New(cluster.Options{Nodes: []string{addr}, TLS: cfg, DialTimeout: 10 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = b.Status(ctx, addr)
+		return err
+	}
+	right, err := cluster.FrontTLS(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Run("no certificate", func(t *testing.T) {
+		cfg := right.Clone()
+		cfg.Certificates = nil
+		if err := status(t, cfg); err == nil {
+			t.Error("a front without a certificate got a status")
+		}
+	})
+	t.Run("another CA's front", func(t *testing.T) {
+		cfg, err := cluster.FrontTLS(other)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.RootCAs = right.RootCAs // it trusts the node; the node must not trust it
+		if err := status(t, cfg); err == nil {
+			t.Error("a front of another CA got a status")
+		}
+	})
+	t.Run("a node's certificate as a front's", func(t *testing.T) {
+		node, err := tls.LoadX509KeyPair(filepath.Join(dir, cluster.NodeCertFile), filepath.Join(dir, cluster.NodeKeyFile))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg := right.Clone()
+		cfg.Certificates = []tls.Certificate{node}
+		if err := status(t, cfg); err == nil {
+			t.Error("a node's certificate (made for server use) got a status as a front")
+		}
+	})
+	t.Run("plain TCP", func(t *testing.T) {
+		c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		c.SetDeadline(time.Now().Add(20 * time.Second))
+		agentproto.WriteFrame(c, &cluster.Open{Op: cluster.OpStatus})
+		var st cluster.Status
+		if err := agentproto.ReadFrame(c, &st); err == nil {
+			t.Errorf("a plain TCP client got a status: %+v", st)
+		}
+	})
+	t.Run("a node of another CA", func(t *testing.T) {
+		impostor, _ := startNode(t, other, cluster.NodeOptions{})
+		b := front(t, dir, impostor)
+		if _, err := b.Status(ctx, impostor); err == nil {
+			t.Error("the front took a status from a node of another CA")
+		}
+		if box, err := b.Create(ctx, sandbox.Spec{ID: "impostor"}); err == nil {
+			box.Close()
+			t.Error("the front placed a box on a node of another CA")
+		}
+	})
+	t.Run("a front's certificate as a node's", func(t *testing.T) {
+		fr, err := tls.LoadX509KeyPair(filepath.Join(dir, cluster.FrontCertFile), filepath.Join(dir, cluster.FrontKeyFile))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg, err := cluster.NodeTLS(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.Certificates = []tls.Certificate{fr}
+		fake, _ := startNode(t, dir, cluster.NodeOptions{TLS: cfg})
+		if _, err := front(t, dir, fake).Status(ctx, fake); err == nil {
+			t.Error("the front took a status from a server with a front's certificate")
+		}
+	})
+	// The node still serves the right front after all that.
+	if _, err := front(t, dir, addr).Status(ctx, addr); err != nil {
+		t.Errorf("after the refusals, the right front: %v", err)
+	}
+}
+
+// TestHostileFront: frames a node refuses before any box is made, each
+// followed by a front the node still serves.
+func TestHostileFront(t *testing.T) {
+	dir := certs(t)
+	addr, n := startNode(t, dir, cluster.NodeOptions{HandshakeTimeout: 2 * time.Second})
+	cfg, err := cluster.FrontTLS(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	frame := func(body string) []byte {
+		return append(binary.BigEndian.AppendUint32(nil, uint32(len(body))), body...)
+	}
+	for name, frame := range map[string][]byte{
+		"not JSON":       frame("hello"),
+		"unknown op":     frame(`{"op":"boom"}`),
+		"no op":          frame(`{}`),
+		"a box's frame":  frame(`{"id":1,"op":"shell","code":"id"}`),
+		"over the bound": append(binary.BigEndian.AppendUint32(nil, 1<<20), '{'),
+		"cut short":      frame(`{"op":"create"`)[:10],
+	} {
+		t.Run(name, func(t *testing.T) {
+			c, err := tls.Dial("tcp", addr, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			c.SetDeadline(time.Now().Add(20 * time.Second))
+			c.Write(frame)
+			var hello agentproto.Hello
+			if err := agentproto.ReadFrame(c, &hello); err == nil {
+				t.Errorf("the node answered %+v", hello)
+			}
+			if st, err := front(t, dir, addr).Status(ctx, addr); err != nil || st.Boxes != 0 {
+				t.Errorf("after it, a status: %+v, %v", st, err)
+			}
+		})
+	}
+	if st := n.Status(); st.Boxes != 0 {
+		t.Errorf("the node counts %d boxes", st.Boxes)
+	}
+}
+
+// TestPlacement: boxes spread over the nodes by their free share, a full
+// node is passed over, the cap holds, and a closed box frees its place.
+func TestPlacement(t *testing.T) {
+	dir := certs(t)
+	a, na := startNode(t, dir, cluster.NodeOptions{MaxBoxes: 2})
+	b, nb := startNode(t, dir, cluster.NodeOptions{MaxBoxes: 2})
+	f := front(t, dir, a, b)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	on := map[string]int{}
+	var boxes []sandbox.Sandbox
+	defer func() {
+		for _, box := range boxes {
+			box.Close()
+		}
+	}()
+	for i := range 4 {
+		box, err := f.Create(ctx, sandbox.Spec{ID: "p"})
+		if err != nil {
+			t.Fatalf("box %d: %v", i, err)
+		}
+		boxes = append(boxes, box)
+		on[cluster.NodeOf(box)]++
+	}
+	if on[a] != 2 || on[b] != 2 {
+		t.Errorf("boxes by node: %v, want 2 on each", on)
+	}
+	if na.Status().Boxes != 2 || nb.Status().Boxes != 2 {
+		t.Errorf("the nodes count %d and %d boxes, want 2 each", na.Status().Boxes, nb.Status().Boxes)
+	}
+	if box, err := f.Create(ctx, sandbox.Spec{ID: "over"}); err == nil {
+		box.Close()
+		t.Fatal("a fifth box was made on two nodes of 2")
+	} else if !strings.Contains(err.Error(), "full") {
+		t.Errorf("the fifth box's error does not say the nodes are full: %v", err)
+	}
+	// Each box runs on its node and answers through the front.
+	for i, box := range boxes {
+		if err := sandbox.Probe(ctx, box); err != nil {
+			t.Errorf("box %d: %v", i, err)
+		}
+	}
+	boxes[0].Close()
+	freed := cluster.NodeOf(boxes[0])
+	waitFor(t, func() bool { return na.Status().Boxes+nb.Status().Boxes == 3 })
+	box, err := f.Create(ctx, sandbox.Spec{ID: "again"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	boxes = append(boxes, box)
+	if cluster.NodeOf(box) != freed {
+		t.Errorf("the new box went to %s, not to %s where a place was freed", cluster.NodeOf(box), freed)
+	}
+}
+
+func waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); !cond(); {
+		if time.Now().After(deadline) {
+			t.Fatal("timed out")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestLimitsHeld: a node holds what a front asks within its own limits.
+// The control asks for less than the node's ceiling and gets it.
+func TestLimitsHeld(t *testing.T) {
+	dir := certs(t)
+	addr, _ := startNode(t, dir, cluster.NodeOptions{Limits: sandbox.Limits{OpenFiles: 512}})
+	f := front(t, dir, addr)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	nofile := func(asked int) string {
+		box, err := f.Create(ctx, sandbox.Spec{ID: "limits", Limits: sandbox.Limits{OpenFiles: asked}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer box.Close()
+		res, err := box.RunPython(ctx, "import resource; resource.getrlimit(resource.RLIMIT_NOFILE)[1]", sandbox.ExecOptions{})
+		if err != nil || res.Error != nil {
+			t.Fatalf("%v %+v", err, res)
+		}
+		return res.Result["text/plain"]
+	}
+	if got := nofile(256); got != "256" {
+		t.Fatalf("control: asked for 256 open files under a ceiling of 512, the box has %s", got)
+	}
+	if got := nofile(1 << 20); got != "512" {
+		t.Errorf("asked for 1048576 open files under a ceiling of 512, the box has %s", got)
+	}
+}
+
+// TestLiveOutput: a call's live output comes through the node.
+func TestLiveOutput(t *testing.T) {
+	dir := certs(t)
+	addr, _ := startNode(t, dir, cluster.NodeOptions{})
+	f := front(t, dir, addr)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	box, err := f.Create(ctx, sandbox.Spec{ID: "live"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer box.Close()
+	var mu sync.Mutex
+	var seen []string
+	lctx := sandbox.WithOutput(ctx, func(o agentproto.Output) {
+		mu.Lock()
+		seen = append(seen, o.Tail)
+		mu.Unlock()
+	})
+	res, err := box.RunPython(lctx, "import time\nfor i in range(6):\n    print('tick', i, flush=True); time.sleep(0.25)", sandbox.ExecOptions{})
+	if err != nil || res.Error != nil {
+		t.Fatalf("%v %+v", err, res)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(seen) == 0 || !strings.Contains(strings.Join(seen, ""), "tick") {
+		t.Errorf("live output through the node: %q", seen)
+	}
+}
+
+// TestNodeGoes: when a node goes, its boxes die at the front (the session
+// layer replaces them), and the node's boxes are destroyed with it.
+func TestNodeGoes(t *testing.T) {
+	dir := certs(t)
+	addr, n := startNode(t, dir, cluster.NodeOptions{})
+	f := front(t, dir, addr)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	box, err := f.Create(ctx, sandbox.Spec{ID: "goes"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer box.Close()
+	running := make(chan error, 1)
+	go func() {
+		_, err := box.RunPython(ctx, "import time; time.sleep(60)", sandbox.ExecOptions{})
+		running <- err
+	}()
+	time.Sleep(300 * time.Millisecond)
+	n.Close()
+	select {
+	case <-box.Done():
+	case <-time.After(30 * time.Second):
+		t.Fatal("the front's box lives on after its node went")
+	}
+	if err := <-running; !errors.Is(err, sandbox.ErrDied) {
+		t.Errorf("the running call ended with %v, want sandbox.ErrDied", err)
+	}
+	if st := n.Status(); st.Boxes != 0 {
+		t.Errorf("the node that went still counts %d boxes", st.Boxes)
+	}
+}
+
+// TestFrontGoes: a front closing its box destroys the box on the node.
+func TestFrontGoes(t *testing.T) {
+	dir := certs(t)
+	addr, n := startNode(t, dir, cluster.NodeOptions{})
+	f := front(t, dir, addr)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	box, err := f.Create(ctx, sandbox.Spec{ID: "front"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := box.RunShell(ctx, "sleep 300 & echo started", sandbox.ExecOptions{})
+	if err != nil || !strings.Contains(res.Stdout.Text, "started") {
+		t.Fatalf("%v %+v", err, res)
+	}
+	if n.Status().Boxes != 1 {
+		t.Fatalf("the node counts %d boxes, want 1", n.Status().Boxes)
+	}
+	box.Close()
+	waitFor(t, func() bool { return n.Status().Boxes == 0 })
+	if left := localJail(t).Leftovers(); len(left) > 0 {
+		t.Errorf("the jail holds %v after the front closed its box", left)
+	}
+}
+
+// TestBoxCannotReachNode: code in a node's box cannot connect to the node
+// it runs on (it has no network), let alone speak to it as a front. The
+// control: the host reaches the same address.
+func TestBoxCannotReachNode(t *testing.T) {
+	dir := certs(t)
+	addr, _ := startNode(t, dir, cluster.NodeOptions{})
+	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+	if err != nil {
+		t.Fatalf("control: the host cannot reach the node at %s: %v", addr, err)
+	}
+	c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	box, err := front(t, dir, addr).Create(ctx, sandbox.Spec{ID: "reach"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer box.Close()
+	host, port, _ := net.SplitHostPort(addr)
+	res, err := box.RunPython(ctx, fmt.Sprintf(`import socket
+s = socket.socket()
+s.settimeout(5)
+try:
+    s.connect((%q, %s))
+    print("connected")
+except OSError as e:
+    print("refused:", e)`, host, port), sandbox.ExecOptions{})
+	if err != nil || res.Error != nil {
+		t.Fatalf("%v %+v", err, res)
+	}
+	if out := res.Stdout.Text; !strings.HasPrefix(out, "refused:") {
+		t.Errorf("a box on the node reached it: %q", out)
+	}
+}

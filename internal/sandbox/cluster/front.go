@@ -1,0 +1,214 @@
+package cluster
+
+import (
+	"cmp"
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"slices"
+	"time"
+
+	"kiln/internal/agentproto"
+	"kiln/internal/sandbox"
+)
+
+// Options configure the cluster backend of a front.
+type Options struct {
+	// Nodes are the addresses (host:port) of the kiln nodes to place
+	// boxes on.
+	Nodes []string
+	// TLS is the front's client configuration (FrontTLS).
+	TLS    *tls.Config
+	Logger *slog.Logger
+	// DialTimeout bounds reaching a node, its handshake and its status
+	// (default 5 s).
+	DialTimeout time.Duration
+}
+
+// Backend places boxes on kiln nodes: the cluster backend.
+type Backend struct {
+	o   Options
+	log *slog.Logger
+}
+
+var (
+	_ sandbox.Backend = (*Backend)(nil)
+	_ sandbox.Checker = (*Backend)(nil)
+	_ sandbox.Noter   = (*Backend)(nil)
+)
+
+// New returns the cluster backend over o.Nodes.
+func New(o Options) (*Backend, error) {
+	if len(o.Nodes) == 0 {
+		return nil, errors.New("the cluster backend needs the addresses of its nodes (--cluster-nodes)")
+	}
+	if o.TLS == nil {
+		return nil, errors.New("the cluster backend needs its certificates (--cluster-tls)")
+	}
+	for _, a := range o.Nodes {
+		if _, _, err := net.SplitHostPort(a); err != nil {
+			return nil, fmt.Errorf("node address %q: %w", a, err)
+		}
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	if o.DialTimeout <= 0 {
+		o.DialTimeout = 5 * time.Second
+	}
+	return &Backend{o: o, log: o.Logger}, nil
+}
+
+func (b *Backend) Name() string { return "cluster" }
+
+func (b *Backend) Close() error { return nil }
+
+func (b *Backend) Notes() []string {
+	return []string{fmt.Sprintf("boxes are placed on %d kiln node(s), the one with the largest share of free boxes first", len(b.o.Nodes))}
+}
+
+// Check makes a box on some node and runs a command in it.
+func (b *Backend) Check(ctx context.Context) error {
+	box, err := b.Create(ctx, sandbox.Spec{ID: "check"})
+	if err != nil {
+		return err
+	}
+	defer box.Close()
+	return sandbox.Probe(ctx, box)
+}
+
+// Create places the box on the node with the largest share of free boxes
+// (ties: the first in Nodes), and on the next when that one refuses it.
+func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbox, error) {
+	order, errs := b.place(ctx)
+	for _, addr := range order {
+		box, err := b.createOn(ctx, addr, spec)
+		if err == nil {
+			return box, nil
+		}
+		if ctx.Err() != nil {
+			return nil, err
+		}
+		errs = append(errs, fmt.Errorf("node %s: %w", addr, err))
+	}
+	if len(order) == 0 && len(errs) == 0 {
+		errs = append(errs, errors.New("every node is full"))
+	}
+	return nil, fmt.Errorf("no kiln node made a box: %w", errors.Join(errs...))
+}
+
+// place asks every node for its status at once and orders the nodes with
+// room by their share of free boxes; what nodes could not answer is errs.
+func (b *Backend) place(ctx context.Context) (order []string, errs []error) {
+	type answer struct {
+		i   int
+		st  Status
+		err error
+	}
+	ch := make(chan answer, len(b.o.Nodes))
+	for i, addr := range b.o.Nodes {
+		go func() {
+			st, err := b.Status(ctx, addr)
+			ch <- answer{i, st, err}
+		}()
+	}
+	var ok []answer
+	for range b.o.Nodes {
+		a := <-ch
+		switch {
+		case a.err != nil:
+			errs = append(errs, fmt.Errorf("node %s: %w", b.o.Nodes[a.i], a.err))
+		case a.st.Free() > 0:
+			ok = append(ok, a)
+		default:
+			errs = append(errs, fmt.Errorf("node %s: full (%d of %d boxes)", b.o.Nodes[a.i], a.st.Boxes, a.st.MaxBoxes))
+		}
+	}
+	slices.SortFunc(ok, func(x, y answer) int {
+		return cmp.Or(cmp.Compare(y.st.Free(), x.st.Free()), cmp.Compare(x.i, y.i))
+	})
+	for _, a := range ok {
+		order = append(order, b.o.Nodes[a.i])
+	}
+	return order, errs
+}
+
+// Status asks the node at addr what it holds.
+func (b *Backend) Status(ctx context.Context, addr string) (Status, error) {
+	return b.status(ctx, addr)
+}
+
+func (b *Backend) status(ctx context.Context, addr string) (Status, error) {
+	ctx, cancel := context.WithTimeout(ctx, b.o.DialTimeout)
+	defer cancel()
+	c, err := b.dial(ctx, addr, Open{Op: OpStatus})
+	if err != nil {
+		return Status{}, err
+	}
+	defer c.Close()
+	if d, ok := ctx.Deadline(); ok {
+		c.SetDeadline(d)
+	}
+	var st Status
+	if err := agentproto.ReadFrameMax(c, &st, func() int { return maxOpenFrame }); err != nil {
+		return Status{}, fmt.Errorf("reading its status: %w", err)
+	}
+	if err := st.check(); err != nil {
+		return Status{}, err
+	}
+	return st, nil
+}
+
+// dial connects to the node at addr over TLS and writes open.
+func (b *Backend) dial(ctx context.Context, addr string, open Open) (*tls.Conn, error) {
+	d := tls.Dialer{NetDialer: &net.Dialer{Timeout: b.o.DialTimeout, KeepAlive: 15 * time.Second}, Config: b.o.TLS}
+	nc, err := d.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	c := nc.(*tls.Conn)
+	if d, ok := ctx.Deadline(); ok {
+		c.SetWriteDeadline(d)
+	}
+	if err := agentproto.WriteFrame(c, &open); err != nil {
+		c.Close()
+		return nil, err
+	}
+	c.SetWriteDeadline(time.Time{})
+	return c, nil
+}
+
+// createOn asks the node at addr for a box and waits for its agent.
+func (b *Backend) createOn(ctx context.Context, addr string, spec sandbox.Spec) (sandbox.Sandbox, error) {
+	c, err := b.dial(ctx, addr, Open{Op: OpCreate, Limits: spec.Limits, Urgent: spec.Urgent})
+	if err != nil {
+		return nil, err
+	}
+	conn, err := sandbox.DialAgent(ctx, spec.ID, c, nil, &sandbox.AgentConnOptions{Logger: b.log.With("node", addr), Backend: b.Name()})
+	if err != nil {
+		return nil, err
+	}
+	b.log.Debug("placed a box", "box", spec.ID, "node", addr)
+	return &box{AgentConn: conn, node: addr}, nil
+}
+
+// box is a box on a node, spoken to through the node.
+type box struct {
+	*sandbox.AgentConn
+	node string
+}
+
+// Node is the address of the node the box is on.
+func (b *box) Node() string { return b.node }
+
+// NodeOf is the address of the node a box of the cluster backend is on,
+// "" for another backend's.
+func NodeOf(s sandbox.Sandbox) string {
+	if b, ok := s.(*box); ok {
+		return b.node
+	}
+	return ""
+}
