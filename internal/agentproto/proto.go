@@ -29,6 +29,10 @@ const (
 	OpInterrupt = "interrupt" // interrupt whatever is running
 	OpChanges   = "changes"   // list files changed since a mark
 	OpPing      = "ping"
+	// OpLimits asks what the box's limits stopped so far (Response.Limits).
+	// No agent answers it: a kiln node does, from its own count of the
+	// box it relays to (an agent refuses it as any unknown operation).
+	OpLimits = "limits"
 )
 
 // Hello is the first frame the agent sends, once its kernel is ready.
@@ -74,9 +78,18 @@ type Response struct {
 	Files  []FileInfo `json:"files,omitempty"`
 	// State answers OpSaveState and OpLoadState.
 	State *StateInfo `json:"state,omitempty"`
+	// Limits answers OpLimits.
+	Limits *Limits `json:"limits,omitempty"`
 	// Output, when set, makes this frame a progress report of the running
 	// request ID rather than its answer: the request stays pending.
 	Output *Output `json:"output,omitempty"`
+}
+
+// Limits counts what a box's limits stopped since it started; -1: not
+// counted (sandbox.LimitHits on the wire).
+type Limits struct {
+	OOMKills    int64 `json:"oom_kills"`
+	PidsRefused int64 `json:"pids_refused"`
 }
 
 // Output is the newest output of a running exec request that asked for it

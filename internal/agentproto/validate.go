@@ -120,6 +120,8 @@ func (r *Response) Check(req *Request) error {
 		return faultf("%s response carries a file list", req.Op)
 	case r.State != nil && !state:
 		return faultf("%s response carries a state report", req.Op)
+	case r.Limits != nil && req.Op != OpLimits:
+		return faultf("%s response carries limit counts", req.Op)
 	}
 	switch {
 	case exec:
@@ -154,6 +156,13 @@ func (r *Response) Check(req *Request) error {
 			return faultf("%s response: size %d", req.Op, r.Size)
 		}
 		return r.State.check()
+	case req.Op == OpLimits:
+		if r.Error != "" {
+			return nil
+		}
+		if l := r.Limits; l == nil || l.OOMKills < -1 || l.PidsRefused < -1 {
+			return faultf("limits response: %+v", r.Limits)
+		}
 	case list:
 		if len(r.Files) > MaxListEntries {
 			return faultf("%s response: %d entries, at most %d", req.Op, len(r.Files), MaxListEntries)

@@ -68,6 +68,11 @@ func TestCheck(t *testing.T) {
 		{"honest special file", &Request{ID: 1, Op: OpList}, &Response{ID: 1, Files: []FileInfo{{Path: "p", Special: "fifo"}}}, ""},
 		{"unknown special kind", &Request{ID: 1, Op: OpList}, &Response{ID: 1, Files: []FileInfo{{Path: "p", Special: strings.Repeat("k", 1000)}}}, "special kind"},
 		{"too many entries", &Request{ID: 1, Op: OpList}, &Response{ID: 1, Files: make([]FileInfo, MaxListEntries+1)}, "entries"},
+		{"honest limits", &Request{ID: 1, Op: OpLimits}, &Response{ID: 1, Limits: &Limits{OOMKills: 2, PidsRefused: -1}}, ""},
+		{"limits refused", &Request{ID: 1, Op: OpLimits}, &Response{ID: 1, Error: `unknown operation "limits"`}, ""},
+		{"limits without counts", &Request{ID: 1, Op: OpLimits}, &Response{ID: 1}, "limits response"},
+		{"limits below -1", &Request{ID: 1, Op: OpLimits}, &Response{ID: 1, Limits: &Limits{OOMKills: -7}}, "limits response"},
+		{"limits for an exec", execReq, &Response{ID: 1, Exec: &ExecResult{}, Limits: &Limits{}}, "limit counts"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -463,6 +463,16 @@ func (c *AgentConn) Changes(ctx context.Context, since time.Time) ([]agentproto.
 	return resp.Files, nil
 }
 
+// Limits asks the other end what the box's limits stopped (OpLimits):
+// a kiln node answers it for the box it relays to; an agent refuses it.
+func (c *AgentConn) Limits(ctx context.Context) (LimitHits, error) {
+	resp, err := c.call(ctx, agentproto.Request{Op: agentproto.OpLimits})
+	if err != nil {
+		return LimitHits{OOMKills: -1, PidsRefused: -1}, err
+	}
+	return LimitHits{OOMKills: resp.Limits.OOMKills, PidsRefused: resp.Limits.PidsRefused}, nil
+}
+
 // Close closes the stream and destroys the box. Pending calls fail with
 // ErrDied.
 func (c *AgentConn) Close() error {

@@ -93,6 +93,17 @@ type RefusalReporter interface {
 	NetworkRefusals() []string
 }
 
+// HostLossReporter is implemented by boxes that run on another host (a
+// kiln node) and can tell, once they are done, whether that host went
+// with them, rather than the box dying on it. HostLost says how, in words
+// for the model ("the kiln node at 10.0.0.5:7070 that ran the sandbox was
+// lost (…)"), and "" when the host is still there or the box is not done.
+// The session layer resumes a session whose host was lost from its last
+// checkpoint, where one whose box died of itself starts afresh.
+type HostLossReporter interface {
+	HostLost() string
+}
+
 // Noter is implemented by backends that work here with caveats (software
 // emulation, no cgroups): notes for kiln doctor and the logs.
 type Noter interface {

@@ -423,7 +423,7 @@ func (m *Manager) saveAtClose(ctx context.Context, s *Session) bool {
 // resume starts the session's box from its saved state, if it has some:
 // box is nil when there is none. note says what happened, for the call's
 // result (a failed resume gives a fresh box and a note saying why).
-func (s *Session) resume(ctx context.Context) (box sandbox.Sandbox, note string, err error) {
+func (s *Session) resume(ctx context.Context, from string) (box sandbox.Sandbox, note string, err error) {
 	m, h := s.m, s.m.hib
 	snap, err := h.st.latest(s.principal, s.name)
 	switch {
@@ -469,8 +469,8 @@ func (s *Session) resume(ctx context.Context) (box sandbox.Sandbox, note string,
 	s.mu.Unlock()
 	m.log.Info("session resumed", "session", s.name, "principal", s.principal, "took", took, "saved", snap.saved)
 	m.observeSession(event.SessionResume, s)
-	note = fmt.Sprintf("resumed this session from hibernation in %s (saved %s ago): its variables and workspace files are as they were; processes that were running in it were not kept",
-		took.Round(time.Millisecond), time.Since(snap.saved).Round(time.Second))
+	note = fmt.Sprintf("resumed this session from %s in %s (saved %s ago): its variables and workspace files are as they were; processes that were running in it were not kept",
+		from, took.Round(time.Millisecond), time.Since(snap.saved).Round(time.Second))
 	if len(dropped) > 0 {
 		note += fmt.Sprintf("; not restored: %s", strings.Join(dropped[:min(len(dropped), 10)], "; "))
 		if len(dropped) > 10 {
@@ -580,12 +580,26 @@ func (s *Session) expirable() bool {
 // from its saved state if it has some, else nil, and a fresh box is made.
 // note is why the old box is gone, if it was lost: its saved state is
 // stale then, and dropped.
-func (s *Session) fromSaved(ctx context.Context, lost string) (box sandbox.Sandbox, note string, err error) {
+func (s *Session) fromSaved(ctx context.Context, lost, from string) (box sandbox.Sandbox, note string, err error) {
 	if lost != "" {
 		s.m.forgetSaved(s.principal, s.name)
 		return nil, lost, nil
 	}
-	box, note, err = s.resume(ctx)
+	return s.fromCheckpoint(ctx, from)
+}
+
+// Where a session resumes from: its save at hibernation (or at shutdown,
+// or a checkpoint, after a restart of kiln), or its last save after its
+// box went with its host.
+const (
+	fromHibernation = "hibernation"
+	fromLastSave    = "its last save"
+)
+
+// fromCheckpoint resumes the session from its last save, if it has one,
+// and makes the box its own. note says how it went, "" with no save.
+func (s *Session) fromCheckpoint(ctx context.Context, from string) (box sandbox.Sandbox, note string, err error) {
+	box, note, err = s.resume(ctx, from)
 	if err != nil || box == nil {
 		return nil, note, err
 	}

@@ -31,6 +31,9 @@ const (
 	msgFaulted      = "kiln destroyed the previous sandbox because kiln itself faulted on a call to it"
 	msgPrevDied     = "the previous sandbox died between calls: %s"
 	msgNewBox       = "this call runs in a new one"
+	// A box lost with its host (a kiln node), in a server that saves
+	// sessions: the loss bound is the checkpoint's age.
+	msgFromCheckpoint = "the next call resumes this session from its last save, if it has one (--checkpoint-every bounds what is lost: the calls after that save)"
 
 	// What survived, by what happened to the box.
 	keptState     = "the session's state is kept"
@@ -57,6 +60,24 @@ func (m *Manager) survived(kernel, box bool) string {
 		return kernelLost
 	}
 	return keptState
+}
+
+// hostLost says how the host a dead box ran on was lost with it (a kiln
+// node), "" when it was not or the backend cannot tell.
+func hostLost(box sandbox.Sandbox) string {
+	if r, ok := inner(box).(sandbox.HostLossReporter); ok {
+		return r.HostLost()
+	}
+	return ""
+}
+
+// afterLoss says what is left of a session whose box went with its host:
+// with saved sessions, the next call resumes from its last save.
+func (m *Manager) afterLoss() string {
+	if m.hib != nil && m.opts.Mode != ModePerCall {
+		return msgFromCheckpoint
+	}
+	return m.survived(true, true)
 }
 
 // limitSeconds renders a time limit: "30 s", or "500ms" below a second or
@@ -108,6 +129,9 @@ func oomKnown(box sandbox.Sandbox, d sandbox.LimitHits) (killed, known bool) {
 
 // diedReason says why a box died during a call.
 func (m *Manager) diedReason(box sandbox.Sandbox, d sandbox.LimitHits) string {
+	if why := hostLost(box); why != "" {
+		return why
+	}
 	switch oom, known := oomKnown(box, d); {
 	case oom:
 		return fmt.Sprintf(msgMemory, m.opts.Limits.MemoryBytes>>20)

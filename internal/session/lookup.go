@@ -38,7 +38,7 @@ func (s *Session) WithLiveBox(ctx context.Context, f func(sandbox.Sandbox) error
 	s.mu.Unlock()
 	if box == nil && !lost && s.m.hib != nil { // hibernated: wake it
 		var err error
-		if box, _, err = s.fromSaved(ctx, ""); err != nil {
+		if box, _, err = s.fromSaved(ctx, "", fromHibernation); err != nil {
 			return err
 		}
 	}

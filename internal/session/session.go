@@ -373,7 +373,7 @@ type Session struct {
 	// and the running one is cut off by destroying its box.
 	closing chan struct{}
 
-	mu       sync.Mutex // guards box, closed, lastUsed, lost, hits, hib; never held across a call
+	mu       sync.Mutex // guards box, closed, lastUsed, lost, hits, hostGone, hib; never held across a call
 	box      sandbox.Sandbox
 	lastUsed time.Time
 	closed   bool
@@ -383,6 +383,9 @@ type Session struct {
 	// hits are the box's limit counters after its last call, to tell what
 	// killed it between calls (nil: not counted).
 	hits *sandbox.LimitHits
+	// hostGone says the last call's box went with its host (a kiln
+	// node): the next call resumes from the session's last save.
+	hostGone bool
 	// job is the background job running in the box; while it runs, the
 	// session's other calls are refused (jobs.go).
 	job *Job
@@ -481,9 +484,13 @@ func (s *Session) drop(box sandbox.Sandbox) {
 // the session's turn.
 func (s *Session) ensure(ctx context.Context) (box sandbox.Sandbox, fresh bool, note string, err error) {
 	s.mu.Lock()
-	box, lost, before := s.box, s.lost, s.hits
-	s.lost, s.hits = "", nil
+	box, lost, before, hostGone := s.box, s.lost, s.hits, s.hostGone
+	s.lost, s.hits, s.hostGone = "", nil, false
 	s.mu.Unlock()
+	from := fromHibernation
+	if hostGone {
+		from = fromLastSave
+	}
 	switch {
 	case box != nil && alive(box):
 		if err := cutIfOffline(ctx, box); err != nil {
@@ -491,6 +498,23 @@ func (s *Session) ensure(ctx context.Context) (box sandbox.Sandbox, fresh bool, 
 			return nil, false, "", err
 		}
 		return box, false, "", nil
+	case box != nil && hostLost(box) != "":
+		// Gone with its host, not of itself: the session's last save is
+		// its newest state.
+		note = fmt.Sprintf(msgPrevDied, hostLost(box))
+		s.drop(box)
+		box = nil
+		resumed := ""
+		if s.m.hib != nil {
+			var saved sandbox.Sandbox
+			if saved, resumed, err = s.fromCheckpoint(ctx, fromLastSave); err != nil || saved != nil {
+				return saved, false, joinNote(note, resumed), err
+			}
+		}
+		if resumed == "" {
+			resumed = msgNewBox + ": " + s.m.survived(true, true)
+		}
+		note = joinNote(note, resumed)
 	case box != nil:
 		if lost = faultReason(box); lost == "" {
 			lost = fmt.Sprintf(msgPrevDied, s.m.diedReason(box, delta(before, hits(box))))
@@ -507,7 +531,7 @@ func (s *Session) ensure(ctx context.Context) (box sandbox.Sandbox, fresh bool, 
 	} else {
 		if s.m.hib != nil {
 			var saved sandbox.Sandbox
-			if saved, note, err = s.fromSaved(ctx, note); err != nil || saved != nil {
+			if saved, note, err = s.fromSaved(ctx, note, from); err != nil || saved != nil {
 				return saved, false, note, err
 			}
 		}
@@ -604,6 +628,16 @@ func (s *Session) settle(box sandbox.Sandbox, out *Outcome, err error, fresh boo
 		out.Note = joinNote(note, out.Note)
 	}
 	if out.Restarted {
+		// The note said the state is gone; so it must be, saves too,
+		// unless the box went with its host: then its last save is the
+		// session's newest state, and the next call resumes it.
+		if hostLost(box) == "" {
+			s.m.forgetSaved(s.principal, s.name)
+		} else {
+			s.mu.Lock()
+			s.hostGone = true
+			s.mu.Unlock()
+		}
 		s.drop(box)
 	}
 }
@@ -677,12 +711,16 @@ func (m *Manager) runBounded(ctx context.Context, box sandbox.Sandbox, timeout t
 		if r.err != nil {
 			if errors.Is(r.err, sandbox.ErrDied) {
 				why := m.diedReason(box, d)
+				after := m.survived(true, true)
+				if hostLost(box) != "" {
+					after = m.afterLoss()
+				}
 				box.Close()
 				out.ExecResult = &agentproto.ExecResult{Error: &agentproto.ExecError{
 					Name: "SandboxDied", Value: why,
 				}}
 				out.Restarted = true
-				out.Note = why + "; " + m.survived(true, true)
+				out.Note = why + "; " + after
 				out.obs.died(box, d)
 				return out, nil
 			}

@@ -11,9 +11,10 @@
 // use under the name NodeServerName. A box never holds either, and the
 // node's boxes have no network, so no box can reach a node as a front.
 //
-// On the connection the front first writes one Open frame. For a status,
-// the node answers with a Status and closes the connection. For a box, it
-// makes one within its own limits and answers with the box's agent hello;
+// On the connection the front first writes one Open frame. The node
+// answers with its Status; for a status that is all, and it closes the
+// connection. For a box, it makes one within its own limits and then
+// sends the box's agent hello (or why it could not make one);
 // from then on the connection carries the agent protocol (agentproto), the
 // node relaying each of the front's requests to the box as one of its own
 // and each answer back under the front's request ID. Both ends validate
@@ -44,8 +45,13 @@ const (
 	OpStatus = "status"
 )
 
-// Status is a node's answer to OpStatus: what placement weighs.
+// Status is a node's first answer on every connection: what placement
+// weighs, and which run of the node it is.
 type Status struct {
+	// Node names this run of the node, random at its start: a front
+	// that finds another name at the same address after losing a box
+	// knows that the node restarted, and every box with it.
+	Node     string `json:"node"`
 	Backend  string `json:"backend"`
 	Boxes    int    `json:"boxes"`     // live boxes the node made for fronts
 	MaxBoxes int    `json:"max_boxes"` // the node's cap; a node at it refuses OpCreate
@@ -75,7 +81,7 @@ func (o *Open) check() error {
 }
 
 func (s *Status) check() error {
-	if s.Boxes < 0 || s.MaxBoxes < 0 || len(s.Backend) > 64 {
+	if s.Boxes < 0 || s.MaxBoxes < 0 || len(s.Backend) > 64 || s.Node == "" || len(s.Node) > 64 {
 		return fmt.Errorf("a malformed status (%d of %d boxes, backend %.64q)", s.Boxes, s.MaxBoxes, s.Backend)
 	}
 	return nil

@@ -59,7 +59,9 @@ func certs(t *testing.T) string {
 }
 
 // startNode serves a node on a loopback port and returns its address.
-func startNode(t *testing.T, dir string, o cluster.NodeOptions) (string, *cluster.Node) {
+// With at, it listens there (retrying a while: another run may still
+// hold the port).
+func startNode(t *testing.T, dir string, o cluster.NodeOptions, at ...string) (string, *cluster.Node) {
 	t.Helper()
 	if o.Backend == nil {
 		o.Backend = localJail(t)
@@ -78,7 +80,15 @@ func startNode(t *testing.T, dir string, o cluster.NodeOptions) (string, *cluste
 	if err != nil {
 		t.Fatal(err)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	addr := "127.0.0.1:0"
+	if len(at) > 0 {
+		addr = at[0]
+	}
+	ln, err := net.Listen("tcp", addr)
+	for deadline := time.Now().Add(10 * time.Second); err != nil && len(at) > 0 && time.Now().Before(deadline); {
+		time.Sleep(50 * time.Millisecond)
+		ln, err = net.Listen("tcp", addr)
+	}
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -478,5 +488,28 @@ except OSError as e:
 	}
 	if out := res.Stdout.Text; !strings.HasPrefix(out, "refused:") {
 		t.Errorf("a box on the node reached it: %q", out)
+	}
+}
+
+// TestLimitHitsThroughNode: the front learns from the node what a box's
+// limits stopped, as the session layer needs to name the limit a call hit.
+func TestLimitHitsThroughNode(t *testing.T) {
+	dir := certs(t)
+	addr, _ := startNode(t, dir, cluster.NodeOptions{Limits: sandbox.Limits{MemoryBytes: 128 << 20}})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	box, err := front(t, dir, addr).Create(ctx, sandbox.Spec{ID: "oom"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer box.Close()
+	r := box.(sandbox.LimitReporter)
+	before := r.LimitHits()
+	if before.OOMKills != 0 {
+		t.Fatalf("control: a new box counts %d OOM kills (-1: the node's host does not count them)", before.OOMKills)
+	}
+	box.RunPython(ctx, "x = bytearray(512 << 20)", sandbox.ExecOptions{})
+	if after := r.LimitHits(); after.OOMKills < 1 {
+		t.Errorf("after a 512 MiB allocation under a 128 MiB limit, the front reads %d OOM kills", after.OOMKills)
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"slices"
+	"sync"
 	"time"
 
 	"kiln/internal/agentproto"
@@ -138,52 +139,48 @@ func (b *Backend) place(ctx context.Context) (order []string, errs []error) {
 
 // Status asks the node at addr what it holds.
 func (b *Backend) Status(ctx context.Context, addr string) (Status, error) {
-	return b.status(ctx, addr)
-}
-
-func (b *Backend) status(ctx context.Context, addr string) (Status, error) {
 	ctx, cancel := context.WithTimeout(ctx, b.o.DialTimeout)
 	defer cancel()
-	c, err := b.dial(ctx, addr, Open{Op: OpStatus})
+	c, st, err := b.dial(ctx, addr, Open{Op: OpStatus})
 	if err != nil {
 		return Status{}, err
 	}
-	defer c.Close()
-	if d, ok := ctx.Deadline(); ok {
-		c.SetDeadline(d)
-	}
-	var st Status
-	if err := agentproto.ReadFrameMax(c, &st, func() int { return maxOpenFrame }); err != nil {
-		return Status{}, fmt.Errorf("reading its status: %w", err)
-	}
-	if err := st.check(); err != nil {
-		return Status{}, err
-	}
+	c.Close()
 	return st, nil
 }
 
-// dial connects to the node at addr over TLS and writes open.
-func (b *Backend) dial(ctx context.Context, addr string, open Open) (*tls.Conn, error) {
+// dial connects to the node at addr over TLS, writes open and reads the
+// node's status, all within ctx.
+func (b *Backend) dial(ctx context.Context, addr string, open Open) (*tls.Conn, Status, error) {
 	d := tls.Dialer{NetDialer: &net.Dialer{Timeout: b.o.DialTimeout, KeepAlive: 15 * time.Second}, Config: b.o.TLS}
 	nc, err := d.DialContext(ctx, "tcp", addr)
 	if err != nil {
-		return nil, err
+		return nil, Status{}, err
 	}
 	c := nc.(*tls.Conn)
-	if d, ok := ctx.Deadline(); ok {
-		c.SetWriteDeadline(d)
+	stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
+	var st Status
+	err = agentproto.WriteFrame(c, &open)
+	if err == nil {
+		err = agentproto.ReadFrameMax(c, &st, func() int { return maxOpenFrame })
 	}
-	if err := agentproto.WriteFrame(c, &open); err != nil {
+	if err == nil {
+		err = st.check()
+	}
+	if !stop() && err == nil {
+		err = ctx.Err()
+	}
+	if err != nil {
 		c.Close()
-		return nil, err
+		return nil, Status{}, fmt.Errorf("reading its status: %w", err)
 	}
-	c.SetWriteDeadline(time.Time{})
-	return c, nil
+	return c, st, nil
 }
 
 // createOn asks the node at addr for a box and waits for its agent.
 func (b *Backend) createOn(ctx context.Context, addr string, spec sandbox.Spec) (sandbox.Sandbox, error) {
-	c, err := b.dial(ctx, addr, Open{Op: OpCreate, Limits: spec.Limits, Urgent: spec.Urgent})
+	c, st, err := b.dial(ctx, addr, Open{Op: OpCreate, Limits: spec.Limits, Urgent: spec.Urgent})
 	if err != nil {
 		return nil, err
 	}
@@ -192,13 +189,61 @@ func (b *Backend) createOn(ctx context.Context, addr string, spec sandbox.Spec) 
 		return nil, err
 	}
 	b.log.Debug("placed a box", "box", spec.ID, "node", addr)
-	return &box{AgentConn: conn, node: addr}, nil
+	return &box{AgentConn: conn, node: addr, run: st.Node, front: b}, nil
 }
 
 // box is a box on a node, spoken to through the node.
 type box struct {
 	*sandbox.AgentConn
-	node string
+	node  string // the node's address
+	run   string // the run of the node that made it (Status.Node)
+	front *Backend
+
+	lostOnce sync.Once
+	lost     string
+}
+
+var (
+	_ sandbox.HostLossReporter = (*box)(nil)
+	_ sandbox.LimitReporter    = (*box)(nil)
+)
+
+// LimitHits asks the node what the box's limits stopped, -1 each when
+// it cannot tell (the box is gone).
+func (b *box) LimitHits() sandbox.LimitHits {
+	ctx, cancel := context.WithTimeout(context.Background(), b.front.o.DialTimeout)
+	defer cancel()
+	h, err := b.Limits(ctx)
+	if err != nil {
+		return sandbox.LimitHits{OOMKills: -1, PidsRefused: -1}
+	}
+	return h
+}
+
+// HostLost asks, once the box is done, whether its node is still there,
+// the same run of it: if the node cannot be reached or restarted, the box
+// went with it. The answer is kept.
+func (b *box) HostLost() string {
+	select {
+	case <-b.Done():
+	default:
+		return ""
+	}
+	b.lostOnce.Do(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), b.front.o.DialTimeout)
+		defer cancel()
+		st, err := b.front.Status(ctx, b.node)
+		switch {
+		case err != nil:
+			b.lost = fmt.Sprintf("the kiln node at %s that ran the sandbox was lost (%v)", b.node, err)
+		case st.Node != b.run:
+			b.lost = fmt.Sprintf("the kiln node at %s that ran the sandbox restarted", b.node)
+		}
+		if b.lost != "" {
+			b.front.log.Warn("a box's node was lost", "box", b.ID(), "node", b.node, "why", b.lost)
+		}
+	})
+	return b.lost
 }
 
 // Node is the address of the node the box is on.

@@ -41,8 +41,9 @@ type NodeOptions struct {
 
 // Node serves a local backend's boxes to fronts (kiln node).
 type Node struct {
-	o   NodeOptions
-	log *slog.Logger
+	o    NodeOptions
+	log  *slog.Logger
+	name string // Status.Node
 
 	mu     sync.Mutex
 	boxes  int // live and being made
@@ -85,14 +86,14 @@ func NewNode(o NodeOptions) (*Node, error) {
 		o.CreateTimeout = 2 * time.Minute
 	}
 	o.Limits = o.Limits.WithDefaults()
-	return &Node{o: o, log: o.Logger, lns: map[net.Listener]struct{}{}, conns: map[net.Conn]struct{}{}}, nil
+	return &Node{o: o, log: o.Logger, name: randomName("run-"), lns: map[net.Listener]struct{}{}, conns: map[net.Conn]struct{}{}}, nil
 }
 
 // Status is what the node would answer a front's OpStatus now.
 func (n *Node) Status() Status {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	return Status{Backend: n.o.Backend.Name(), Boxes: n.boxes, MaxBoxes: n.o.MaxBoxes}
+	return Status{Node: n.name, Backend: n.o.Backend.Name(), Boxes: n.boxes, MaxBoxes: n.o.MaxBoxes}
 }
 
 // Serve accepts fronts on ln (plain TCP: the node does the TLS) until ln
@@ -189,11 +190,8 @@ func (n *Node) serveConn(raw net.Conn) {
 		return
 	}
 	raw.SetDeadline(time.Time{})
-	if open.Op == OpStatus {
-		st := n.Status()
-		if err := agentproto.WriteFrame(tc, &st); err != nil {
-			log.Debug("answering a status", "err", err)
-		}
+	st := n.Status()
+	if err := agentproto.WriteFrame(tc, &st); err != nil || open.Op == OpStatus {
 		return
 	}
 	box, err := n.create(open)
@@ -221,7 +219,7 @@ func (n *Node) create(open Open) (forwarder, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), n.o.CreateTimeout)
 	defer cancel()
 	box, err := n.o.Backend.Create(ctx, sandbox.Spec{
-		ID:      newBoxID(),
+		ID:      randomName("node-"),
 		Limits:  open.Limits.Within(n.o.Limits),
 		Preload: n.o.Preload,
 		Urgent:  open.Urgent,
@@ -245,11 +243,12 @@ func (n *Node) release() {
 	n.mu.Unlock()
 }
 
-// newBoxID names a node's box: the node's own, whatever the front calls it.
-func newBoxID() string {
+// randomName is prefix and 64 random bits: a node's run, and the name of
+// each of its boxes (the node's own, whatever the front calls it).
+func randomName(prefix string) string {
 	var b [8]byte
 	rand.Read(b[:])
-	return "node-" + hex.EncodeToString(b[:])
+	return prefix + hex.EncodeToString(b[:])
 }
 
 // relay serves box to the front on tc until either end goes: the front's
@@ -320,7 +319,13 @@ func (n *Node) relay(tc *tls.Conn, box forwarder, log *slog.Logger) {
 				default:
 				}
 			}
-			resp, err := box.Forward(ctx, req, live)
+			var resp *agentproto.Response
+			var err error
+			if req.Op == agentproto.OpLimits {
+				resp = limitsOf(box)
+			} else {
+				resp, err = box.Forward(ctx, req, live)
+			}
 			if err != nil {
 				if ctx.Err() == nil {
 					log.Warn("relaying a request", "op", req.Op, "err", err)
@@ -335,4 +340,14 @@ func (n *Node) relay(tc *tls.Conn, box forwarder, log *slog.Logger) {
 			}
 		}()
 	}
+}
+
+// limitsOf answers OpLimits for box from the node's own count.
+func limitsOf(box sandbox.Sandbox) *agentproto.Response {
+	l := agentproto.Limits{OOMKills: -1, PidsRefused: -1}
+	if r, ok := box.(sandbox.LimitReporter); ok {
+		h := r.LimitHits()
+		l = agentproto.Limits{OOMKills: h.OOMKills, PidsRefused: h.PidsRefused}
+	}
+	return &agentproto.Response{Limits: &l}
 }

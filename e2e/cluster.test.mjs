@@ -1,0 +1,112 @@
+// The cluster backend through a real client: two `kiln node` daemons on
+// this host make the boxes, `kiln mcp --backend cluster` places them and
+// relays every call. The whole shared behaviour suite runs through it
+// (charts, errors, timeouts, hostile payloads), then a node is killed
+// with SIGKILL under a live session, which resumes on the other node from
+// its last checkpoint and says what was lost.
+//
+// Both nodes run on one host, kept apart as two processes with their own
+// listeners and boxes; two machines are not to be had here.
+import { describe, it, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { spawn, execFileSync } from 'node:child_process';
+import { mkdtempSync, rmSync } from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+
+import { behaviourSuite } from './suite.mjs';
+import { KILN, CANARY, call, ok, text, connectStdio, freePort, sleep, skip } from './helpers.mjs';
+
+// startNode runs `kiln node` on a free loopback port and waits until it
+// says it serves.
+async function startNode(certs) {
+  const port = await freePort();
+  const addr = `127.0.0.1:${port}`;
+  const proc = spawn(KILN, ['node', '--tls', certs, '--listen', addr, '--max-boxes', '8', '--preload', 'matplotlib', '-v'], {
+    env: { ...process.env, KILN_E2E_CANARY: CANARY },
+    stdio: ['ignore', 'ignore', 'pipe'],
+  });
+  const log = [];
+  proc.stderr.on('data', (d) => log.push(d));
+  const exited = new Promise((resolve) => proc.on('exit', () => resolve()));
+  const deadline = Date.now() + 30_000;
+  while (!Buffer.concat(log).toString().includes('kiln node serving boxes')) {
+    if (proc.exitCode !== null) throw new Error(`kiln node exited with ${proc.exitCode}:\n${Buffer.concat(log)}`);
+    if (Date.now() > deadline) {
+      proc.kill('SIGKILL');
+      throw new Error(`kiln node did not start in 30s:\n${Buffer.concat(log)}`);
+    }
+    await sleep(50);
+  }
+  return {
+    addr,
+    proc,
+    log: () => Buffer.concat(log).toString(),
+    boxesMade: () => (Buffer.concat(log).toString().match(/made a box for a front/g) || []).length,
+    async stop(signal = 'SIGTERM') {
+      if (proc.exitCode === null && proc.signalCode === null) {
+        proc.kill(signal);
+        await exited;
+      }
+    },
+  };
+}
+
+function cluster(tag) {
+  const dir = mkdtempSync(path.join(os.tmpdir(), `kiln-e2e-${tag}-`));
+  const certs = path.join(dir, 'certs');
+  execFileSync(KILN, ['node', 'certs', '--dir', certs]);
+  const c = { dir, certs, nodes: [] };
+  c.start = async () => {
+    c.nodes = [await startNode(certs), await startNode(certs)];
+  };
+  c.flags = () => ['--backend', 'cluster', '--cluster-tls', certs, '--cluster-nodes', c.nodes.map((n) => n.addr).join(',')];
+  c.stop = async () => {
+    await Promise.all(c.nodes.map((n) => n.stop()));
+    rmSync(dir, { recursive: true, force: true });
+  };
+  return c;
+}
+
+describe('cluster: the shared behaviour through two kiln nodes', { skip }, () => {
+  const c = cluster('cluster');
+  before(c.start);
+  after(c.stop);
+  behaviourSuite('cluster (stdio front)', () => connectStdio([...c.flags(), '--preload', '']));
+});
+
+describe('cluster: a node killed under a live session', { skip }, () => {
+  const c = cluster('cluster-kill');
+  before(c.start);
+  after(c.stop);
+
+  it('resumes the session on the other node from its last checkpoint, saying what was lost', async () => {
+    const state = path.join(c.dir, 'state');
+    const front = await connectStdio([...c.flags(), '--pool', '0', '--state-dir', state, '--checkpoint-every', '1ms']);
+    try {
+      ok(await call(front.client, 'run_python', { session: 'k', code: 'x = 41' }));
+      ok(await call(front.client, 'run_python', { session: 'k', code: 'x = x' })); // saved after this call
+      const made = c.nodes.map((n) => n.boxesMade());
+      assert.deepEqual(made.slice().sort(), [0, 1], `boxes made by node: ${made}`);
+      const victim = c.nodes[made.indexOf(1)];
+      // Wait for the checkpoint before the kill.
+      for (let i = 0; ; i++) {
+        const list = text(await call(front.client, 'list_sessions', {}));
+        if (/^k\tlive.*, saved \d+s ago/m.test(list) && !/changed since|not saved/.test(list)) break;
+        assert.ok(i < 100, `no checkpoint of k:\n${list}`);
+        await sleep(100);
+      }
+      await victim.stop('SIGKILL');
+      const res = await call(front.client, 'run_python', { session: 'k', code: 'print(x + 1)' });
+      assert.notEqual(res.isError, true, `${text(res)}\nthe front's log:\n${front.stderr()}`);
+      const t = ok(res);
+      assert.match(t, /^42$/m, t);
+      assert.match(t, /the kiln node at 127\.0\.0\.1:\d+ that ran the sandbox was lost/, t);
+      assert.match(t, /resumed this session from its last save in/, t);
+      const other = c.nodes.find((n) => n !== victim);
+      assert.equal(other.boxesMade(), 1, 'the session resumed on the other node');
+    } finally {
+      await front.close();
+    }
+  });
+});
