@@ -10,12 +10,12 @@
 import { describe, it, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn, execFileSync } from 'node:child_process';
-import { mkdtempSync, rmSync } from 'node:fs';
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 
 import { behaviourSuite } from './suite.mjs';
-import { KILN, CANARY, call, ok, text, connectStdio, freePort, sleep, skip } from './helpers.mjs';
+import { KILN, CANARY, call, ok, text, connectStdio, startHTTP, connectHTTP, freePort, sleep, skip } from './helpers.mjs';
 
 // startNode runs `kiln node` on a free loopback port and waits until it
 // says it serves.
@@ -43,6 +43,7 @@ async function startNode(certs) {
     proc,
     log: () => Buffer.concat(log).toString(),
     boxesMade: () => (Buffer.concat(log).toString().match(/made a box for a front/g) || []).length,
+    boxesDestroyed: () => (Buffer.concat(log).toString().match(/destroyed a front's box/g) || []).length,
     async stop(signal = 'SIGTERM') {
       if (proc.exitCode === null && proc.signalCode === null) {
         proc.kill(signal);
@@ -107,6 +108,52 @@ describe('cluster: a node killed under a live session', { skip }, () => {
       assert.equal(other.boxesMade(), 1, 'the session resumed on the other node');
     } finally {
       await front.close();
+    }
+  });
+});
+
+describe('cluster: a front replica killed under a live session', { skip }, () => {
+  const c = cluster('cluster-front');
+  before(c.start);
+  after(c.stop);
+
+  it('frees its boxes on the nodes, and another front on its state directory resumes the session', async () => {
+    const state = path.join(c.dir, 'state');
+    const tokenFile = path.join(c.dir, 'tokens');
+    writeFileSync(tokenFile, 'alice:cluster-token-of-alice\n', { mode: 0o600 });
+    const token = 'cluster-token-of-alice';
+    const flags = [...c.flags(), '--pool', '0', '--state-dir', state, '--checkpoint-every', '1ms', '--token-file', tokenFile];
+    const first = await startHTTP({ flags });
+    try {
+      const conn = await connectHTTP(first.url, token);
+      ok(await call(conn.client, 'run_python', { session: 'f', code: 'x = 41' }));
+      ok(await call(conn.client, 'run_python', { session: 'f', code: 'x = x' }));
+      for (let i = 0; ; i++) {
+        const list = text(await call(conn.client, 'list_sessions', {}));
+        if (/^f\tlive.*, saved \d+s ago/m.test(list) && !/changed since|not saved/.test(list)) break;
+        assert.ok(i < 100, `no checkpoint of f:\n${list}`);
+        await sleep(100);
+      }
+      const made = () => c.nodes.reduce((n, node) => n + node.boxesMade(), 0);
+      const destroyed = () => c.nodes.reduce((n, node) => n + node.boxesDestroyed(), 0);
+      assert.equal(made() - destroyed(), 1, 'one live box on the nodes');
+      first.proc.kill('SIGKILL');
+      for (let i = 0; made() !== destroyed(); i++) {
+        assert.ok(i < 200, `the nodes still hold ${made() - destroyed()} box(es) of the killed front`);
+        await sleep(50);
+      }
+    } finally {
+      await first.stop();
+    }
+    const second = await startHTTP({ flags });
+    try {
+      const conn = await connectHTTP(second.url, token);
+      const t = ok(await call(conn.client, 'run_python', { session: 'f', code: 'print(x + 1)' }));
+      assert.match(t, /^42$/m, t);
+      assert.match(t, /resumed this session from hibernation/, t);
+      await conn.close();
+    } finally {
+      await second.stop();
     }
   });
 });

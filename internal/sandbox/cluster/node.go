@@ -204,6 +204,7 @@ func (n *Node) serveConn(raw net.Conn) {
 	log = log.With("box", box.ID())
 	log.Debug("made a box for a front", "limits", open.Limits)
 	n.relay(tc, box, log)
+	log.Debug("destroyed a front's box")
 }
 
 // create makes a box within the node's limits and cap. The box counts
