@@ -324,3 +324,29 @@ func TestCallDurationsFromLog(t *testing.T) {
 		t.Errorf("boxes %v, want the forked box counted", got)
 	}
 }
+
+// TestClusterTargets: the cluster's pool hit against the jail's row of the
+// same run, and the throughput through the most nodes against one node.
+func TestClusterTargets(t *testing.T) {
+	rep := &Report{Backend: "cluster", Measurements: []Measurement{
+		{Key: "percall", Unit: "ms", N: 20, P50: 30},
+		{Key: jailPrefix + "percall", Unit: "ms", N: 20, P50: 20}, // 1.5×: met
+		{Key: "nodes-throughput-1", Unit: "calls/s", N: 100, P50: 10},
+		{Key: "nodes-throughput-2", Unit: "calls/s", N: 100, P50: 18},
+		{Key: "nodes-throughput-3", Unit: "calls/s", N: 100, P50: 14}, // the most nodes: 1.4×, not met
+	}}
+	got := map[string]Target{}
+	for _, tg := range rep.checkTargets() {
+		got[tg.Name] = tg
+	}
+	if tg := got["cluster: per-call p50 on a pool hit, vs the jail's"]; !tg.Met || tg.Key != "percall" {
+		t.Errorf("pool hit: %+v", tg)
+	}
+	tg := got["cluster: throughput with all nodes, vs one"]
+	if tg.Met || tg.Key != "nodes-throughput-3" || tg.Value != 14 || !strings.Contains(tg.Bound, "share this host's CPUs") {
+		t.Errorf("throughput by nodes: %+v", tg)
+	}
+	if _, ok := got["jail: per-call p50, warm pool"]; ok {
+		t.Error("a jail target checked on a cluster run")
+	}
+}

@@ -191,6 +191,8 @@ var registry = []backendEntry{
 		// with their own backend, limits and preloads.
 		name:       "cluster",
 		flagPrefix: "cluster-",
+		// kiln bench starts two kiln nodes (the jail) and fronts them.
+		bench: bench.Traits{Nodes: 2},
 		flags: func(fs *flag.FlagSet) backendFactory {
 			var c cluster.Config
 			c.RegisterFlags(fs)

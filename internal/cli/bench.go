@@ -35,7 +35,10 @@ the private memory and PSS of idle sandboxes. CPU figures are the bench's cgroup
 jail's boxes, runsc's processes), with the machine-wide figure beside
 them; each kiln row says how its boxes were made (one-step or two-step
 forks of the jail's template, direct starts). Then it checks the targets
-of issues 18 and 28, relative ones against this run's baselines. With
+of issues 18, 28 and 29, relative ones against this run's baselines.
+With --backend cluster it starts two kiln node daemons (the jail) as its
+children, fronts them, measures a local jail server alongside, and the
+per-call throughput through one node and through both. With
 --backend kubernetes it also measures a per-call run on a warm-pool hit
 and miss, the CPU per box and per session call of the control plane
 (kube-apiserver, etcd, kubelet, containerd, shims; from /proc, net of an
