@@ -513,3 +513,67 @@ func TestLimitHitsThroughNode(t *testing.T) {
 		t.Errorf("after a 512 MiB allocation under a 128 MiB limit, the front reads %d OOM kills", after.OOMKills)
 	}
 }
+
+// TestStuckNode: a node that answers statuses but never answers a create
+// (it takes the connection and hangs) holds a Create up no longer than the
+// dial timeout, and the box goes to a node that answers. Without a
+// deadline on the create's own dial, Create waited for ever.
+func TestStuckNode(t *testing.T) {
+	dir := certs(t)
+	nodeCfg, err := cluster.NodeTLS(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := tls.Listen("tcp", "127.0.0.1:0", nodeCfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				var open cluster.Open
+				if agentproto.ReadFrame(c, &open) != nil || open.Op != cluster.OpStatus {
+					return // held open, never answered
+				}
+				agentproto.WriteFrame(c, &cluster.Status{Node: "stuck", Backend: "jail", MaxBoxes: 100})
+				c.Close()
+			}()
+		}
+	}()
+	stuck := ln.Addr().String()
+	good, _ := startNode(t, dir, cluster.NodeOptions{}) // 8 boxes: a smaller free share than the stuck one's
+	cfg, err := cluster.FrontTLS(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := cluster.New(cluster.Options{Nodes: []string{stuck, good}, TLS: cfg, DialTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, err := f.Status(context.Background(), stuck); err != nil || st.Node != "stuck" {
+		t.Fatalf("control: the stuck node's status: %+v %v", st, err)
+	}
+	done := make(chan struct{})
+	var box sandbox.Sandbox
+	go func() {
+		defer close(done)
+		box, err = f.Create(context.Background(), sandbox.Spec{ID: "stuck"})
+	}()
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("Create is held up by a node that never answers")
+	}
+	if err != nil {
+		t.Fatalf("with one node stuck and one serving: %v", err)
+	}
+	defer box.Close()
+	if cluster.NodeOf(box) != good {
+		t.Errorf("the box went to %s, not the serving node %s", cluster.NodeOf(box), good)
+	}
+}

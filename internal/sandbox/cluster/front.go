@@ -139,8 +139,6 @@ func (b *Backend) place(ctx context.Context) (order []string, errs []error) {
 
 // Status asks the node at addr what it holds.
 func (b *Backend) Status(ctx context.Context, addr string) (Status, error) {
-	ctx, cancel := context.WithTimeout(ctx, b.o.DialTimeout)
-	defer cancel()
 	c, st, err := b.dial(ctx, addr, Open{Op: OpStatus})
 	if err != nil {
 		return Status{}, err
@@ -150,8 +148,11 @@ func (b *Backend) Status(ctx context.Context, addr string) (Status, error) {
 }
 
 // dial connects to the node at addr over TLS, writes open and reads the
-// node's status, all within ctx.
+// node's status, all within ctx and DialTimeout: a node that takes the
+// connection and never answers does not hold a Create up.
 func (b *Backend) dial(ctx context.Context, addr string, open Open) (*tls.Conn, Status, error) {
+	ctx, cancel := context.WithTimeout(ctx, b.o.DialTimeout)
+	defer cancel()
 	d := tls.Dialer{NetDialer: &net.Dialer{Timeout: b.o.DialTimeout, KeepAlive: 15 * time.Second}, Config: b.o.TLS}
 	nc, err := d.DialContext(ctx, "tcp", addr)
 	if err != nil {
