@@ -247,9 +247,6 @@ func (b *box) HostLost() string {
 	return b.lost
 }
 
-// Node is the address of the node the box is on.
-func (b *box) Node() string { return b.node }
-
 // NodeOf is the address of the node a box of the cluster backend is on,
 // "" for another backend's.
 func NodeOf(s sandbox.Sandbox) string {
