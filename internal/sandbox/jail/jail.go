@@ -29,7 +29,8 @@ type Options struct {
 	// Python is the interpreter inside the box. Default /usr/bin/python3.
 	Python string
 	// StateDir holds per-box mount points. Default: boxkit.StateDir's
-	// "kiln-jail" (root's os.TempDir()/kiln-jail; a user's own otherwise).
+	// "kiln-jail" (root's os.TempDir()/kiln-jail; a user's own otherwise;
+	// in a pid namespace not the host's, one of that namespace's own).
 	StateDir string
 	// Env is added to every box's environment.
 	Env []string

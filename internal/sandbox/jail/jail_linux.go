@@ -96,7 +96,7 @@ func New(opts Options) (*Backend, error) {
 	// Box roots are uids no one has: they must be able to traverse to
 	// their mount point (and nothing else lives here).
 	if opts.StateDir == "" {
-		dir, err := boxkit.StateDir("kiln-jail", 0o711)
+		dir, err := boxkit.StateDir(stateDirName(), 0o711)
 		if err != nil {
 			return nil, err
 		}

@@ -22,7 +22,7 @@ func (b *Backend) Leftovers() []string {
 			out = append(out, "cgroup "+serverGroup()+"/"+name)
 		}
 	}
-	out = append(out, processesInGroups("/kiln/"+strconv.Itoa(os.Getpid())+"/")...)
+	out = append(out, processesInGroups("/"+serverGroup()+"/")...)
 	entries, _ := os.ReadDir(b.opts.StateDir)
 	for _, e := range entries {
 		if strings.HasPrefix(e.Name(), statePrefix()) {
