@@ -200,7 +200,7 @@ var registry = []backendEntry{
 				if !env.net.policy.Empty() {
 					return nil, errors.New("--allow-net is not supported on the cluster backend yet: a kiln node's boxes have no network")
 				}
-				o, err := c.Apply(cluster.Options{Logger: env.log})
+				o, err := c.Apply(cluster.Options{Logger: env.log}, discoverNodes)
 				if err != nil {
 					return nil, err
 				}

@@ -2,7 +2,12 @@
 
 package cli
 
-import "io"
+import (
+	"context"
+	"flag"
+	"io"
+	"log/slog"
+)
 
 // Without the tag kiln_kubernetes the kubernetes backend keeps its place
 // in the registry, but everything that asks for it (--backend kubernetes,
@@ -16,5 +21,19 @@ var kubernetesBackend = backendEntry{
 }
 
 func runK8s(args []string, stdout io.Writer) error { return featureKubernetes.missing() }
+
+func discoverNodes(string) (func(context.Context) ([]string, error), error) {
+	return nil, featureKubernetes.missing()
+}
+
+// nodeRegister has no flags here: kiln node's --k8s-register is answered
+// by hintMissingFlag.
+type nodeRegister struct{}
+
+func registerNodeFlags(*flag.FlagSet) *nodeRegister { return &nodeRegister{} }
+
+func (*nodeRegister) start(context.Context, string, *slog.Logger) (io.Closer, error) {
+	return nil, nil
+}
 
 const hasKubernetes = false

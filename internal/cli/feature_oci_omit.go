@@ -11,7 +11,7 @@ import (
 // Without the tag kiln_oci, kiln image build --oci says how to get a kiln
 // that pushes box images.
 
-func buildOCI(ctx context.Context, opts image.Options, ref string, insecure bool) (string, error) {
+func buildOCI(ctx context.Context, opts image.Options, ref string, insecure bool, node string) (string, error) {
 	return "", featureOCI.missing()
 }
 

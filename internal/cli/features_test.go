@@ -29,7 +29,7 @@ func TestMissingFeatures(t *testing.T) {
 	cleanConfigEnv(t)
 	k8s := kubernetesBackend.absent == nil
 	oci := true
-	if _, err := buildOCI(t.Context(), image.Options{}, "", false); errors.As(err, new(*missingFeatureError)) {
+	if _, err := buildOCI(t.Context(), image.Options{}, "", false, ""); errors.As(err, new(*missingFeatureError)) {
 		oci = false
 	}
 	if k8s != hasKubernetes || oci != hasOCI {

@@ -5,13 +5,14 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"os"
 
 	"kiln/internal/image"
 )
 
 func runImage(args []string, stdout, stderr io.Writer) error {
 	if len(args) == 0 || args[0] != "build" {
-		return errors.New("usage: kiln image build [--force] [--agent PATH] [--firecracker-kernel] [--oci REF [--insecure]]")
+		return errors.New("usage: kiln image build [--force] [--agent PATH] [--firecracker-kernel] [--oci REF [--insecure] [--node]]")
 	}
 	fs := flag.NewFlagSet("kiln image build", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -20,6 +21,7 @@ func runImage(args []string, stdout, stderr io.Writer) error {
 	fcKernel := fs.Bool("firecracker-kernel", false, "also build a vmlinux for Firecracker from Debian's linux-source (slow: many minutes)")
 	oci := fs.String("oci", "", "build the kubernetes backend's box image instead (the same Debian root and agent, as an OCI image) and push it to this reference, e.g. registry.example:5000/kiln/box:1")
 	insecure := fs.Bool("insecure", false, "with --oci: the registry speaks plain HTTP")
+	node := fs.Bool("node", false, "with --oci: a kiln node's image instead (contrib/kubernetes/node.yaml): the same root with this kiln beside the agent, started as kiln node")
 	verbose := fs.Bool("v", false, "debug logging")
 	if err := fs.Parse(args[1:]); err != nil {
 		return err
@@ -28,8 +30,19 @@ func runImage(args []string, stdout, stderr io.Writer) error {
 	log := c.logger(stderr)
 	ctx, cancel := signalContext()
 	defer cancel()
+	if *node && *oci == "" {
+		return errors.New("kiln image build: --node builds an OCI image: pass --oci REF too")
+	}
 	if *oci != "" {
-		ref, err := buildOCI(ctx, image.Options{Agent: *agent, Force: *force, Logger: log}, *oci, *insecure)
+		self := ""
+		if *node {
+			exe, err := os.Executable()
+			if err != nil {
+				return fmt.Errorf("finding this kiln for the node image: %w", err)
+			}
+			self = exe
+		}
+		ref, err := buildOCI(ctx, image.Options{Agent: *agent, Force: *force, Logger: log}, *oci, *insecure, self)
 		var missing *missingFeatureError
 		if errors.As(err, &missing) {
 			return err

@@ -35,6 +35,7 @@ func runNode(args []string, stdout, stderr io.Writer) error {
 	var c common
 	c.registerBox(fs)
 	listen := fs.String("listen", "127.0.0.1:7070", "address the fronts reach the node at, host:port")
+	reg := registerNodeFlags(fs)
 	tlsDir := fs.String("tls", "", "directory of the node's certificates (kiln node certs): ca.pem, node.pem, node-key.pem")
 	groupUsage(fs)
 	usage := fs.Usage
@@ -91,9 +92,20 @@ func runNode(args []string, stdout, stderr io.Writer) error {
 	served := make(chan error, 1)
 	go func() { served <- n.Serve(ln) }()
 	log.Info("kiln node serving boxes to fronts", "addr", ln.Addr().String(), "backend", c.backend, "max_boxes", maxBoxes)
+	registered, err := reg.start(ctx, ln.Addr().String(), log)
+	if err != nil {
+		n.Close()
+		return err
+	}
 	select {
 	case err = <-served:
 	case <-ctx.Done():
+	}
+	// The Lease goes first, so that fronts stop placing boxes here.
+	if registered != nil {
+		if cerr := registered.Close(); cerr != nil {
+			log.Warn("leaving the cluster", "err", cerr)
+		}
 	}
 	n.Close()
 	return err

@@ -13,9 +13,11 @@ import (
 	"io"
 	"io/fs"
 	"log/slog"
+	"maps"
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -40,7 +42,16 @@ type Options struct {
 	// Insecure allows a registry over plain HTTP (loopback registries are
 	// reached over HTTP anyway).
 	Insecure bool
+	// Node, when set, is the path of a kiln binary: the image is then a
+	// kiln node's (contrib/kubernetes/node.yaml), the same root with that
+	// kiln at NodePath beside the agent, started as root as `kiln node`.
+	// The node's jail binds the image's /usr into its boxes as a host's.
+	Node string
 }
+
+// NodePath is where a node image holds kiln, beside guestinit.AgentPath,
+// where the jail looks for its agent.
+const NodePath = "/sbin/kiln"
 
 // Build builds the box image of the Kubernetes backend from the same
 // Debian root filesystem and agent as the microVM image (the cached base
@@ -59,7 +70,7 @@ func Build(ctx context.Context, opts image.Options, o Options) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	img, err := ociImage(root, agent)
+	img, err := ociImage(root, agent, o.Node)
 	if err != nil {
 		return "", err
 	}
@@ -83,11 +94,17 @@ func Build(ctx context.Context, opts image.Options, o Options) (string, error) {
 
 // ociImage is one layer, the root filesystem with the agent at
 // guestinit.AgentPath, and a config that starts the agent as the box's
-// non-root user in the workspace.
-func ociImage(root, agent string) (v1.Image, error) {
+// non-root user in the workspace. With node, the path of a kiln, the
+// layer also holds it at NodePath and the config starts it as root as
+// `kiln node`.
+func ociImage(root, agent, node string) (v1.Image, error) {
+	extra := map[string]string{strings.TrimPrefix(guestinit.AgentPath, "/"): agent}
+	if node != "" {
+		extra[strings.TrimPrefix(NodePath, "/")] = node
+	}
 	layer, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) {
 		pr, pw := io.Pipe()
-		go func() { pw.CloseWithError(writeRootTar(pw, root, agent)) }()
+		go func() { pw.CloseWithError(writeRootTar(pw, root, extra)) }()
 		return pr, nil
 	}, tarball.WithCompressionLevel(gzip.BestSpeed))
 	if err != nil {
@@ -109,24 +126,30 @@ func ociImage(root, agent string) (v1.Image, error) {
 	cf.Config.User = fmt.Sprintf("%d:%d", boxpolicy.UID, boxpolicy.GID)
 	cf.Config.WorkingDir = boxpolicy.Workspace
 	cf.Config.Labels = map[string]string{"org.opencontainers.image.title": "kiln box"}
+	if node != "" {
+		cf.Config.Entrypoint = []string{NodePath, "node"}
+		cf.Config.User = "0:0"
+		cf.Config.WorkingDir = "/"
+		cf.Config.Labels["org.opencontainers.image.title"] = "kiln node"
+	}
 	return mutate.ConfigFile(img, cf)
 }
 
-// writeRootTar writes root as a tar stream, with agent as
-// guestinit.AgentPath (replacing whatever is there) and the mount points
+// writeRootTar writes root as a tar stream, with each file of extra (by
+// its path in the image, without the leading slash) from the host path
+// it names, replacing whatever is there, and the mount points
 // of a box's volumes. Devices, sockets and fifos are left out (the
 // runtime makes /dev); hard links are written as copies. Times are zero,
 // so two builds of the same inputs give the same layer.
-func writeRootTar(w io.Writer, root, agent string) error {
+func writeRootTar(w io.Writer, root string, extra map[string]string) error {
 	tw := tar.NewWriter(w)
-	agentRel := strings.TrimPrefix(guestinit.AgentPath, "/")
 	epoch := time.Unix(0, 0)
 	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
 		}
 		rel, err := filepath.Rel(root, p)
-		if err != nil || rel == "." || rel == agentRel {
+		if _, replaced := extra[rel]; err != nil || rel == "." || replaced {
 			return err
 		}
 		fi, err := d.Info()
@@ -176,16 +199,18 @@ func writeRootTar(w io.Writer, root, agent string) error {
 	if err != nil {
 		return fmt.Errorf("packing the root filesystem: %w", err)
 	}
-	data, err := os.ReadFile(agent)
-	if err != nil {
-		return fmt.Errorf("reading agent: %w", err)
-	}
-	h := &tar.Header{Name: agentRel, Mode: 0o755, Size: int64(len(data)), ModTime: epoch, Typeflag: tar.TypeReg, Format: tar.FormatPAX}
-	if err := tw.WriteHeader(h); err != nil {
-		return err
-	}
-	if _, err := tw.Write(data); err != nil {
-		return err
+	for _, rel := range slices.Sorted(maps.Keys(extra)) {
+		data, err := os.ReadFile(extra[rel])
+		if err != nil {
+			return fmt.Errorf("reading %s for /%s: %w", extra[rel], rel, err)
+		}
+		h := &tar.Header{Name: rel, Mode: 0o755, Size: int64(len(data)), ModTime: epoch, Typeflag: tar.TypeReg, Format: tar.FormatPAX}
+		if err := tw.WriteHeader(h); err != nil {
+			return err
+		}
+		if _, err := tw.Write(data); err != nil {
+			return err
+		}
 	}
 	return tw.Close()
 }

@@ -8,6 +8,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 
 	"github.com/google/go-containerregistry/pkg/name"
@@ -22,8 +23,14 @@ import (
 // TestOCIImageRoundTrip pushes the box image of a small root to a registry
 // (go-containerregistry's, in memory) and pulls it back: the files, the
 // agent replacing whatever was at its path, the links, and a config that
-// starts the agent as the box's user.
+// starts the agent as the box's user. The node image holds kiln beside the
+// agent and starts it as root as `kiln node`.
 func TestOCIImageRoundTrip(t *testing.T) {
+	t.Run("box", func(t *testing.T) { testRoundTrip(t, false) })
+	t.Run("node", func(t *testing.T) { testRoundTrip(t, true) })
+}
+
+func testRoundTrip(t *testing.T, node bool) {
 	root := t.TempDir()
 	must := func(err error) {
 		t.Helper()
@@ -40,7 +47,12 @@ func TestOCIImageRoundTrip(t *testing.T) {
 	agent := filepath.Join(t.TempDir(), "kiln-agent")
 	must(os.WriteFile(agent, []byte("new agent"), 0o755))
 
-	img, err := ociImage(root, agent)
+	kiln := ""
+	if node {
+		kiln = filepath.Join(t.TempDir(), "kiln")
+		must(os.WriteFile(kiln, []byte("kiln itself"), 0o755))
+	}
+	img, err := ociImage(root, agent, kiln)
 	must(err)
 	srv := httptest.NewServer(registry.New())
 	defer srv.Close()
@@ -53,11 +65,15 @@ func TestOCIImageRoundTrip(t *testing.T) {
 
 	cf, err := got.ConfigFile()
 	must(err)
-	if len(cf.Config.Entrypoint) != 1 || cf.Config.Entrypoint[0] != guestinit.AgentPath {
-		t.Errorf("entrypoint %v, want the agent", cf.Config.Entrypoint)
+	wantEntry, wantUser, wantDir := []string{guestinit.AgentPath}, "1000:1000", boxpolicy.Workspace
+	if node {
+		wantEntry, wantUser, wantDir = []string{NodePath, "node"}, "0:0", "/"
 	}
-	if cf.Config.User != "1000:1000" || cf.Config.WorkingDir != boxpolicy.Workspace || cf.OS != "linux" {
-		t.Errorf("config user %q dir %q os %q", cf.Config.User, cf.Config.WorkingDir, cf.OS)
+	if !slices.Equal(cf.Config.Entrypoint, wantEntry) {
+		t.Errorf("entrypoint %v, want %v", cf.Config.Entrypoint, wantEntry)
+	}
+	if cf.Config.User != wantUser || cf.Config.WorkingDir != wantDir || cf.OS != "linux" {
+		t.Errorf("config user %q dir %q os %q, want user %q dir %q", cf.Config.User, cf.Config.WorkingDir, cf.OS, wantUser, wantDir)
 	}
 	files := map[string]string{}
 	links := map[string]string{}
@@ -81,6 +97,9 @@ func TestOCIImageRoundTrip(t *testing.T) {
 	}
 	if files["sbin/kiln-agent"] != "new agent" {
 		t.Errorf("agent in the image: %q", files["sbin/kiln-agent"])
+	}
+	if _, has := files["sbin/kiln"]; has != node || (node && files["sbin/kiln"] != "kiln itself") {
+		t.Errorf("kiln in the image (node image %v): %q", node, files["sbin/kiln"])
 	}
 	if files["usr/bin/python3"] != "python" || links["bin"] != "usr/bin" {
 		t.Errorf("root files %v links %v", files, links)

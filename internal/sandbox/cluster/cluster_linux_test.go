@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -575,5 +576,48 @@ func TestStuckNode(t *testing.T) {
 	defer box.Close()
 	if cluster.NodeOf(box) != good {
 		t.Errorf("the box went to %s, not the serving node %s", cluster.NodeOf(box), good)
+	}
+}
+
+// TestDiscover: a front of Discover places boxes on the nodes it lists,
+// and when a listing fails (the API server away), on the last one.
+func TestDiscover(t *testing.T) {
+	dir := certs(t)
+	a, _ := startNode(t, dir, cluster.NodeOptions{})
+	cfg, err := cluster.FrontTLS(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cluster.New(cluster.Options{Nodes: []string{a}, Discover: func(context.Context) ([]string, error) { return nil, nil }, TLS: cfg}); err == nil {
+		t.Error("a front took both --cluster-nodes and --cluster-discover")
+	}
+	var listings atomic.Int32
+	var fail atomic.Bool
+	f, err := cluster.New(cluster.Options{TLS: cfg, DiscoverEvery: time.Nanosecond, Discover: func(context.Context) ([]string, error) {
+		listings.Add(1)
+		if fail.Load() {
+			return nil, errors.New("the API server is away")
+		}
+		return []string{a}, nil
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for _, away := range []bool{false, true} {
+		fail.Store(away)
+		before := listings.Load()
+		box, err := f.Create(ctx, sandbox.Spec{ID: "found"})
+		if err != nil {
+			t.Fatalf("API server away %v: %v", away, err)
+		}
+		if at := cluster.NodeOf(box); at != a {
+			t.Errorf("API server away %v: the box is on %q, not the listed %s", away, at, a)
+		}
+		box.Close()
+		if listings.Load() == before {
+			t.Errorf("API server away %v: the front did not list the nodes", away)
+		}
 	}
 }

@@ -21,6 +21,13 @@ type Options struct {
 	// Nodes are the addresses (host:port) of the kiln nodes to place
 	// boxes on.
 	Nodes []string
+	// Discover, instead of Nodes, lists the nodes' addresses: the nodes
+	// registered in the cluster's API (kubernetes.NodeLister). A listing
+	// stands for DiscoverEvery (default 5 s); when a listing fails, the
+	// last one stands, so that the nodes keep serving while the API
+	// server is away.
+	Discover      func(context.Context) ([]string, error)
+	DiscoverEvery time.Duration
 	// TLS is the front's client configuration (FrontTLS).
 	TLS    *tls.Config
 	Logger *slog.Logger
@@ -33,6 +40,10 @@ type Options struct {
 type Backend struct {
 	o   Options
 	log *slog.Logger
+
+	mu     sync.Mutex
+	listed []string  // the last listing of Discover
+	until  time.Time // when it stops standing
 }
 
 var (
@@ -43,8 +54,14 @@ var (
 
 // New returns the cluster backend over o.Nodes.
 func New(o Options) (*Backend, error) {
-	if len(o.Nodes) == 0 {
-		return nil, errors.New("the cluster backend needs the addresses of its nodes (--cluster-nodes)")
+	if len(o.Nodes) == 0 && o.Discover == nil {
+		return nil, errors.New("the cluster backend needs the addresses of its nodes (--cluster-nodes), or where to find them (--cluster-discover)")
+	}
+	if len(o.Nodes) > 0 && o.Discover != nil {
+		return nil, errors.New("the cluster backend takes its nodes from --cluster-nodes or from --cluster-discover, not both")
+	}
+	if o.DiscoverEvery <= 0 {
+		o.DiscoverEvery = 5 * time.Second
 	}
 	if o.TLS == nil {
 		return nil, errors.New("the cluster backend needs its certificates (--cluster-tls)")
@@ -68,7 +85,33 @@ func (b *Backend) Name() string { return "cluster" }
 func (b *Backend) Close() error { return nil }
 
 func (b *Backend) Notes() []string {
+	if b.o.Discover != nil {
+		return []string{"boxes are placed on the kiln nodes registered in the cluster, the one with the largest share of free boxes first"}
+	}
 	return []string{fmt.Sprintf("boxes are placed on %d kiln node(s), the one with the largest share of free boxes first", len(b.o.Nodes))}
+}
+
+// nodes are the nodes' addresses: Nodes, or Discover's listing.
+func (b *Backend) nodes(ctx context.Context) ([]string, error) {
+	if b.o.Discover == nil {
+		return b.o.Nodes, nil
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if time.Now().Before(b.until) {
+		return b.listed, nil
+	}
+	got, err := b.o.Discover(ctx)
+	if err != nil {
+		if b.listed == nil {
+			return nil, err
+		}
+		b.log.Warn("listing the kiln nodes; placing on the last listing", "err", err, "nodes", len(b.listed))
+	} else {
+		b.listed = got
+	}
+	b.until = time.Now().Add(b.o.DiscoverEvery)
+	return b.listed, nil
 }
 
 // Check makes a box on some node and runs a command in it.
@@ -104,35 +147,39 @@ func (b *Backend) Create(ctx context.Context, spec sandbox.Spec) (sandbox.Sandbo
 // place asks every node for its status at once and orders the nodes with
 // room by their share of free boxes; what nodes could not answer is errs.
 func (b *Backend) place(ctx context.Context) (order []string, errs []error) {
+	nodes, err := b.nodes(ctx)
+	if err != nil {
+		return nil, []error{err}
+	}
 	type answer struct {
 		i   int
 		st  Status
 		err error
 	}
-	ch := make(chan answer, len(b.o.Nodes))
-	for i, addr := range b.o.Nodes {
+	ch := make(chan answer, len(nodes))
+	for i, addr := range nodes {
 		go func() {
 			st, err := b.Status(ctx, addr)
 			ch <- answer{i, st, err}
 		}()
 	}
 	var ok []answer
-	for range b.o.Nodes {
+	for range nodes {
 		a := <-ch
 		switch {
 		case a.err != nil:
-			errs = append(errs, fmt.Errorf("node %s: %w", b.o.Nodes[a.i], a.err))
+			errs = append(errs, fmt.Errorf("node %s: %w", nodes[a.i], a.err))
 		case a.st.Free() > 0:
 			ok = append(ok, a)
 		default:
-			errs = append(errs, fmt.Errorf("node %s: full (%d of %d boxes)", b.o.Nodes[a.i], a.st.Boxes, a.st.MaxBoxes))
+			errs = append(errs, fmt.Errorf("node %s: full (%d of %d boxes)", nodes[a.i], a.st.Boxes, a.st.MaxBoxes))
 		}
 	}
 	slices.SortFunc(ok, func(x, y answer) int {
 		return cmp.Or(cmp.Compare(y.st.Free(), x.st.Free()), cmp.Compare(x.i, y.i))
 	})
 	for _, a := range ok {
-		order = append(order, b.o.Nodes[a.i])
+		order = append(order, nodes[a.i])
 	}
 	return order, errs
 }
