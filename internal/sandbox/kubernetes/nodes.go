@@ -78,8 +78,12 @@ func RegisterNode(ctx context.Context, o RegisterOptions) (*NodeRegistration, er
 	if errs := validation.IsDNS1123Subdomain(nodeLeaseName(o.Node)); o.Node == "" || errs != nil {
 		return nil, fmt.Errorf("node name %q: not a name for a Lease: %s", o.Node, strings.Join(errs, "; "))
 	}
-	if o.Duration <= 0 {
+	if o.Duration == 0 {
 		o.Duration = DefaultNodeLeaseDuration
+	}
+	// Renewed three times per duration, in whole seconds.
+	if o.Duration < 3*time.Second {
+		return nil, fmt.Errorf("node Lease duration %v: it must be at least 3s", o.Duration)
 	}
 	if o.Namespace == "" {
 		o.Namespace = inClusterNamespace()

@@ -3,6 +3,7 @@ package kubernetes
 import (
 	"context"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -83,6 +84,16 @@ func TestNodeAddress(t *testing.T) {
 	} {
 		if err := checkNodeAddress(addr); (err == nil) != ok {
 			t.Errorf("checkNodeAddress(%q) = %v, want ok %v", addr, err, ok)
+		}
+	}
+}
+
+// A Lease duration too short to renew is refused before anything is
+// asked of the cluster.
+func TestNodeLeaseDuration(t *testing.T) {
+	for _, d := range []time.Duration{time.Nanosecond, time.Second, -time.Second} {
+		if _, err := RegisterNode(context.Background(), RegisterOptions{Node: "n", Address: "10.0.0.1:7070", Duration: d}); err == nil || !strings.Contains(err.Error(), "at least 3s") {
+			t.Errorf("duration %v: %v, want it refused", d, err)
 		}
 	}
 }
