@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"slices"
@@ -19,6 +20,7 @@ import (
 	"kiln/internal/sandbox/jail"
 	"kiln/internal/sandbox/microvm"
 	"kiln/internal/sandbox/wasm"
+	"kiln/internal/session"
 )
 
 // registry lists the backends kiln can serve with, in the order kiln doctor
@@ -204,7 +206,17 @@ var registry = []backendEntry{
 				if err != nil {
 					return nil, err
 				}
-				return cluster.New(o)
+				if c.Quotas != "" && env.ledger != nil {
+					if *env.ledger, err = sessionLedger(ctx, c.Quotas, env.log); err != nil {
+						return nil, fmt.Errorf("--cluster-quotas: %w", err)
+					}
+				}
+				b, err := cluster.New(o)
+				if err != nil && env.ledger != nil && *env.ledger != nil {
+					(*env.ledger).(io.Closer).Close()
+					*env.ledger = nil
+				}
+				return b, err
 			}
 		},
 	},
@@ -283,6 +295,9 @@ type backendEnv struct {
 	// doctor builds the backend only to check it: nothing slow is built
 	// (runsc), only what is cached is used.
 	doctor bool
+	// ledger, if not nil, receives the sessions' Ledger a backend's flags
+	// ask for (--cluster-quotas); the stack closes it.
+	ledger *session.Ledger
 }
 
 // backends are the factories of every registered backend, keyed by name,

@@ -256,6 +256,7 @@ type stack struct {
 	net     *network
 	backend sandbox.Backend
 	mgr     *session.Manager
+	ledger  session.Ledger // nil: none
 	srv     *mcpserver.Server
 	obs     *observers
 }
@@ -287,7 +288,8 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		return nil, err
 	}
 	maxBoxes, all := c.bounds.resolve(c.limits())
-	env := backendEnv{agent: c.agent, net: net, allBoxes: all, log: log}
+	var ledger session.Ledger
+	env := backendEnv{agent: c.agent, net: net, allBoxes: all, log: log, ledger: &ledger}
 	if tpl != nil {
 		env.template = tpl.FilesDir()
 		log.Info("serving from a template", "template", tpl.Name, "import", tpl.Import)
@@ -317,6 +319,7 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 		StateQuota:     c.snapshots.stateQuota(),
 		Logger:         log,
 		Observer:       obs.observer(),
+		Ledger:         ledger,
 	}))
 	if w, ok := b.(sandbox.Warmer); ok {
 		spec := sandbox.Spec{Limits: mgr.Options().Limits, Preload: preload}
@@ -352,7 +355,7 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 	}
 	srv := mcpserver.New(mcpserver.Options{Manager: mgr, Runtime: rt, Backend: b.Name(), Network: netDesc, Logger: log,
 		NetScope: c.netScope, NetworkFor: networkFor, Resources: c.resources.options(c.maxOutput)})
-	st := &stack{net: net, backend: b, mgr: mgr, srv: srv, obs: obs}
+	st := &stack{net: net, backend: b, mgr: mgr, ledger: ledger, srv: srv, obs: obs}
 	if err := obs.serve(c.obs.metricsAddr, c.tokens, mgr); err != nil {
 		st.close()
 		return nil, err
@@ -363,6 +366,9 @@ func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
 func (s *stack) close() {
 	s.mgr.Close()
 	s.backend.Close()
+	if c, ok := s.ledger.(io.Closer); ok {
+		c.Close() // after the sessions: this front's count goes last
+	}
 	if s.net.gateway != nil {
 		s.net.gateway.Close()
 	}

@@ -16,6 +16,7 @@ import (
 	"kiln/internal/bench"
 	"kiln/internal/sandbox"
 	"kiln/internal/sandbox/kubernetes"
+	"kiln/internal/session"
 )
 
 // The kubernetes backend, built in by the tag kiln_kubernetes (see
@@ -53,6 +54,12 @@ func discoverNodes(namespace string) (func(context.Context) ([]string, error), e
 		return nil, err
 	}
 	return l.Nodes, nil
+}
+
+// sessionLedger is the fronts' shared count of sessions in namespace, for
+// --cluster-quotas.
+func sessionLedger(ctx context.Context, namespace string, log *slog.Logger) (session.Ledger, error) {
+	return kubernetes.NewSessionLedger(ctx, kubernetes.LedgerOptions{Namespace: namespace, Logger: log})
 }
 
 // nodeRegister is kiln node's registration in the cluster's API: its

@@ -7,6 +7,8 @@ import (
 	"flag"
 	"io"
 	"log/slog"
+
+	"kiln/internal/session"
 )
 
 // Without the tag kiln_kubernetes the kubernetes backend keeps its place
@@ -23,6 +25,10 @@ var kubernetesBackend = backendEntry{
 func runK8s(args []string, stdout io.Writer) error { return featureKubernetes.missing() }
 
 func discoverNodes(string) (func(context.Context) ([]string, error), error) {
+	return nil, featureKubernetes.missing()
+}
+
+func sessionLedger(context.Context, string, *slog.Logger) (session.Ledger, error) {
 	return nil, featureKubernetes.missing()
 }
 

@@ -95,6 +95,9 @@ type hibState struct {
 	failed bool
 	// saving: a checkpoint is queued or running.
 	saving bool
+	// waking: the Ledger counted the session in, and its resume has not
+	// ended yet (wake).
+	waking bool
 }
 
 // hibernateIdle, on each round of the reaper: starts saving sessions idle
@@ -263,6 +266,7 @@ func (m *Manager) saveSession(s *Session, hibernate bool) {
 	box.Close()
 	m.log.Info("session hibernated", "session", s.name, "principal", s.principal, "bytes", info.Bytes, "took", info.Took, "dropped", len(info.Dropped))
 	m.observeSession(event.SessionHibernate, s)
+	m.ledgerSync(s.principal)
 }
 
 // saveContext bounds one save of the reaper; closing the manager cuts it.
@@ -445,12 +449,10 @@ func (s *Session) resume(ctx context.Context, from string) (box sandbox.Sandbox,
 	asleep := s.asleep()
 	s.mu.Unlock()
 	if asleep { // it leaves the hibernated, uncounted sessions
-		m.mu.Lock()
-		err := m.quotaFor(s.principal, s)
-		m.mu.Unlock()
-		if err != nil {
+		if err := m.wake(s); err != nil {
 			return nil, "", err
 		}
+		defer m.woken(s)
 	}
 	start := time.Now()
 	box, dropped, err := m.restoreBox(ctx, snap.dir)
@@ -478,6 +480,39 @@ func (s *Session) resume(ctx context.Context, from string) (box sandbox.Sandbox,
 		}
 	}
 	return box, note, nil
+}
+
+// wake admits a hibernated session to the live ones: within this
+// server's quotas, and the Ledger's, which counts it as waking until
+// woken.
+func (m *Manager) wake(s *Session) error {
+	m.mu.Lock()
+	err := m.quotaFor(s.principal, s)
+	m.mu.Unlock()
+	if err != nil || m.opts.Ledger == nil {
+		return err
+	}
+	done, err := m.admit(s.principal, s.name)
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	s.hib.waking = true
+	s.mu.Unlock()
+	done()
+	return nil
+}
+
+// woken ends wake: the session is live, or its resume failed and it is
+// asleep still, and the Ledger counts it out.
+func (m *Manager) woken(s *Session) {
+	s.mu.Lock()
+	failed := s.hib.waking
+	s.hib.waking = false
+	s.mu.Unlock()
+	if failed {
+		m.ledgerSync(s.principal)
+	}
 }
 
 // asleep reports whether the session's state is only on disk: it was

@@ -33,6 +33,7 @@ func (m *Manager) reap() {
 		}
 		m.mu.Unlock()
 		for _, s := range idle {
+			m.ledgerSync(s.principal)
 			if s.wasHibernated() { // its state is on disk; only the name is forgotten here
 				s.close()
 				continue

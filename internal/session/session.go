@@ -69,6 +69,9 @@ type Options struct {
 	// principal's own quotas bound nothing in all when every OIDC subject
 	// is a new principal (store.go).
 	StateQuota int64
+	// Ledger holds MaxSessionsPerPrincipal across every server that shares
+	// it (ledger.go); nil: this server counts its own.
+	Ledger Ledger
 }
 
 // Defaults of Options; kiln's flags default to them too.
@@ -144,9 +147,16 @@ type QuotaError struct {
 	Limit     int
 	Principal bool   // the principal's own quota, not the server's
 	Flag      string // the kiln flag that sets the limit
+	// Cluster: the principal's sessions across every front of the cluster
+	// (Options.Ledger) reached it; Held of them are live.
+	Cluster bool
+	Held    int
 }
 
 func (e *QuotaError) Error() string {
+	if e.Cluster {
+		return fmt.Sprintf("you already have %d live sessions across this kiln cluster's servers, and one client may hold %d (--%s); reset_session one you no longer need, or continue in an existing one", e.Held, e.Limit, e.Flag)
+	}
 	if e.Principal {
 		return fmt.Sprintf("you already have %d live sessions, the most one client may hold (--%s); reset_session one you no longer need, or continue in an existing one", e.Limit, e.Flag)
 	}
@@ -195,20 +205,27 @@ type Manager struct {
 	wg       sync.WaitGroup
 	// destroying counts per-call boxes being destroyed after their call.
 	destroying sync.WaitGroup
-	jobs       jobTable    // background jobs (jobs.go)
-	saves      storeOnce   // snapshots and hibernated sessions (store.go)
-	hib        *hibernator // nil: sessions are not saved (hibernate.go)
+	// admitting counts the sessions being admitted by the Ledger, which
+	// are live for it.
+	admitting map[key]int
+	jobs      jobTable    // background jobs (jobs.go)
+	saves     storeOnce   // snapshots and hibernated sessions (store.go)
+	hib       *hibernator // nil: sessions are not saved (hibernate.go)
 }
 
 // NewManager starts the pool and the idle reaper.
 func NewManager(opts Options) *Manager {
 	opts.defaults()
 	m := &Manager{
-		opts:     opts,
-		log:      opts.Logger,
-		sessions: make(map[key]*Session),
-		calls:    make(map[sandbox.Sandbox]struct{}),
-		stop:     make(chan struct{}),
+		opts:      opts,
+		log:       opts.Logger,
+		sessions:  make(map[key]*Session),
+		calls:     make(map[sandbox.Sandbox]struct{}),
+		stop:      make(chan struct{}),
+		admitting: map[key]int{},
+	}
+	if opts.Ledger != nil {
+		opts.Ledger.Bind(m.liveNames)
 	}
 	spec := sandbox.Spec{Limits: opts.Limits, Preload: opts.Preload}
 	m.slots = newSlots(opts.MaxBoxes)
@@ -253,22 +270,48 @@ func (m *Manager) Get(principal, name string) (*Session, error) {
 			m.observeSession(event.SessionCreate, created)
 		}
 	}()
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if m.closed {
-		return nil, ErrShutdown
-	}
 	k := key{principal, name}
-	if s, ok := m.sessions[k]; ok {
-		return s, nil
+	var admitted func() // the Ledger counted the session
+	defer func() {
+		if admitted != nil {
+			admitted()
+		}
+	}()
+	for {
+		m.mu.Lock()
+		if m.closed {
+			m.mu.Unlock()
+			return nil, ErrShutdown
+		}
+		if s, ok := m.sessions[k]; ok {
+			m.mu.Unlock()
+			return s, nil
+		}
+		if err := m.quotaFor(principal, nil); err != nil {
+			m.mu.Unlock()
+			if admitted != nil { // the ledger counts it: count it out
+				admitted()
+				admitted = nil
+				m.ledgerSync(principal)
+			}
+			return nil, err
+		}
+		if admitted != nil || m.opts.Ledger == nil {
+			s := newSession(m, principal, name)
+			m.sessions[k] = s
+			m.mu.Unlock()
+			created = s
+			return s, nil
+		}
+		m.mu.Unlock()
+		// The cluster's count, outside the lock; then the local checks
+		// again, since another call may have made the session meanwhile.
+		done, err := m.admit(principal, name)
+		if err != nil {
+			return nil, err
+		}
+		admitted = done
 	}
-	if err := m.quotaFor(principal, nil); err != nil {
-		return nil, err
-	}
-	s := newSession(m, principal, name)
-	m.sessions[k] = s
-	created = s
-	return s, nil
 }
 
 // LiveBoxes is the number of boxes that exist right now: in sessions, in
@@ -300,6 +343,7 @@ func (m *Manager) Reset(principal, name string) bool {
 	if ok {
 		m.observeSession(event.SessionReset, s)
 		s.close()
+		m.ledgerSync(principal)
 	}
 	saved := m.forgetSaved(principal, name)
 	return ok || saved

@@ -12,6 +12,10 @@ type Config struct {
 	Nodes    string // --cluster-nodes
 	TLS      string // --cluster-tls
 	Discover string // --cluster-discover
+	// Quotas is the Kubernetes namespace where the fronts count each
+	// principal's live sessions together (--cluster-quotas); the cluster
+	// backend itself does not read it.
+	Quotas string
 }
 
 // Discoverer returns the lister of the nodes registered in a Kubernetes
@@ -24,6 +28,7 @@ type Discoverer func(namespace string) (func(context.Context) ([]string, error),
 func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.Nodes, "cluster-nodes", "", "cluster: addresses (host:port) of the kiln nodes to place boxes on, comma-separated")
 	fs.StringVar(&c.Discover, "cluster-discover", "", "cluster: instead of --cluster-nodes, place boxes on the kiln nodes registered in this Kubernetes namespace (kiln node --k8s-register); the client configuration is the in-cluster one, else $KUBECONFIG")
+	fs.StringVar(&c.Quotas, "cluster-quotas", "", "cluster: hold --max-sessions-per-principal across every front that passes the same Kubernetes namespace, through Leases there (each front then needs the API server to start a session); default: each front counts its own")
 	fs.StringVar(&c.TLS, "cluster-tls", "", "cluster: directory of the front's certificates (kiln node certs): ca.pem, front.pem, front-key.pem")
 }
 

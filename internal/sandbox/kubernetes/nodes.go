@@ -40,13 +40,7 @@ const DefaultNodeLeaseDuration = 15 * time.Second
 func nodeLeaseName(node string) string { return "kiln-node-" + node }
 
 // NodeRegistration is a node's Lease, renewed until Close.
-type NodeRegistration struct {
-	cancel context.CancelFunc
-	done   chan struct{}
-	cs     kubernetes.Interface
-	ns     string
-	name   string
-}
+type NodeRegistration struct{ *heldLease }
 
 // RegisterOptions say how a node registers.
 type RegisterOptions struct {
@@ -103,9 +97,9 @@ func RegisterNode(ctx context.Context, o RegisterOptions) (*NodeRegistration, er
 	if err != nil {
 		return nil, err
 	}
-	rctx, cancel := context.WithCancel(context.Background())
-	r := &NodeRegistration{cancel: cancel, done: make(chan struct{}), cs: cs, ns: o.Namespace, name: l.Name}
-	go r.renew(rctx, l, o)
+	r := &NodeRegistration{holdLease(cs, l, o.Duration, "this node's", func(ctx context.Context) (*coordv1.Lease, error) {
+		return takeNodeLease(ctx, cs, o)
+	}, nil, o.Logger)}
 	o.Logger.Info("registered this node in the cluster", "lease", l.Name, "namespace", o.Namespace, "address", o.Address)
 	return r, nil
 }
@@ -151,47 +145,6 @@ func takeNodeLease(ctx context.Context, cs kubernetes.Interface, o RegisterOptio
 		return nil, fmt.Errorf("taking node Lease %s: %w", l.Name, err)
 	}
 	return got, nil
-}
-
-// renew renews the Lease three times per duration. A Lease deleted or
-// replaced meanwhile (an operator, or the API server lost it) is taken
-// again.
-func (r *NodeRegistration) renew(ctx context.Context, l *coordv1.Lease, o RegisterOptions) {
-	defer close(r.done)
-	t := time.NewTicker(o.Duration / 3)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		got, err := renewLease(ctx, r.cs, l)
-		if apierrors.IsNotFound(err) || apierrors.IsConflict(err) {
-			got, err = takeNodeLease(ctx, r.cs, o)
-		}
-		if err != nil {
-			if ctx.Err() == nil {
-				o.Logger.Warn("renewing this node's Lease", "lease", l.Name, "err", err)
-			}
-			continue
-		}
-		l = got
-	}
-}
-
-// Close stops renewing and deletes the Lease, so that fronts stop placing
-// boxes on the node at once.
-func (r *NodeRegistration) Close() error {
-	r.cancel()
-	<-r.done
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	err := r.cs.CoordinationV1().Leases(r.ns).Delete(ctx, r.name, metav1.DeleteOptions{})
-	if err != nil && !apierrors.IsNotFound(err) {
-		return fmt.Errorf("deleting node Lease %s: %w", r.name, err)
-	}
-	return nil
 }
 
 // leaseHeld says whether a Lease was renewed within its duration.
