@@ -157,3 +157,59 @@ describe('cluster: a front replica killed under a live session', { skip }, () =>
     }
   });
 });
+
+// The per-principal session quota held across fronts (--cluster-quotas):
+// two fronts on the same nodes and the same namespace of the test cluster
+// (make k8s-cluster), each its own process with its own state directory,
+// count one principal's live sessions together through Leases there.
+const quotaSkip = skip || (process.env.KILN_TEST_K8S !== '1' && 'cluster quotas: needs a cluster: set KILN_TEST_K8S=1 and the variables of `contrib/k8s/cluster/cluster.sh env` (make k8s-cluster)');
+
+describe('cluster: one principal\'s session quota across two fronts (--cluster-quotas)', { skip: quotaSkip }, () => {
+  const c = cluster('cluster-quota');
+  const kubectl = process.env.KILN_K8S_KUBECTL || 'kubectl';
+  const ns = `kiln-e2e-quota-${process.pid}`;
+  before(async () => {
+    await c.start();
+    execFileSync(kubectl, ['create', 'namespace', ns], { stdio: ['ignore', 'ignore', 'inherit'] });
+  });
+  after(async () => {
+    execFileSync(kubectl, ['delete', 'namespace', ns, '--wait=false'], { stdio: ['ignore', 'ignore', 'inherit'] });
+    await c.stop();
+  });
+
+  it('refuses a second session of one principal on the other front, and frees its place on reset', async () => {
+    const tokenFile = path.join(c.dir, 'tokens');
+    writeFileSync(tokenFile, 'alice:quota-token-of-alice\nbob:quota-token-of-bob\n', { mode: 0o600 });
+    const flags = (tag) => [...c.flags(), '--pool', '0', '--state-dir', path.join(c.dir, `state-${tag}`), '--token-file', tokenFile,
+      '--cluster-quotas', ns, '--max-sessions-per-principal', '1'];
+    const a = await startHTTP({ flags: flags('a') });
+    const b = await startHTTP({ flags: flags('b') });
+    try {
+      const aliceA = await connectHTTP(a.url, 'quota-token-of-alice');
+      const aliceB = await connectHTTP(b.url, 'quota-token-of-alice');
+      const bobB = await connectHTTP(b.url, 'quota-token-of-bob');
+      ok(await call(aliceA.client, 'run_python', { session: 'one', code: 'x = 1' }));
+      // The control: each front alone would admit this one.
+      const refused = await call(aliceB.client, 'run_python', { session: 'two', code: 'x = 2' });
+      assert.equal(refused.isError, true, `the second front admitted a second session of alice:\n${text(refused)}\n${b.log()}`);
+      assert.match(text(refused), /you already have 1 live session across this kiln cluster's servers/, text(refused));
+      // Another principal's count is its own.
+      ok(await call(bobB.client, 'run_python', { session: 'two', code: 'x = 2' }));
+      // The session on the first front goes; its place is free on the
+      // second once the first has written its count down.
+      assert.match(text(await call(aliceA.client, 'reset_session', { session: 'one' })), /reset/);
+      for (let i = 0; ; i++) {
+        const res = await call(aliceB.client, 'run_python', { session: 'two', code: 'print(2)' });
+        if (res.isError !== true) {
+          assert.match(text(res), /^2$/m, text(res));
+          break;
+        }
+        assert.ok(i < 100, `alice's reset session still counts on the other front:\n${text(res)}`);
+        await sleep(100);
+      }
+      await Promise.all([aliceA.close(), aliceB.close(), bobB.close()]);
+    } finally {
+      await Promise.all([a.stop(), b.stop()]);
+    }
+  });
+});

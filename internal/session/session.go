@@ -155,12 +155,19 @@ type QuotaError struct {
 
 func (e *QuotaError) Error() string {
 	if e.Cluster {
-		return fmt.Sprintf("you already have %d live sessions across this kiln cluster's servers, and one client may hold %d (--%s); reset_session one you no longer need, or continue in an existing one", e.Held, e.Limit, e.Flag)
+		return fmt.Sprintf("you already have %s across this kiln cluster's servers, and one client may hold %d (--%s); reset_session one you no longer need, or continue in an existing one", liveSessions(e.Held), e.Limit, e.Flag)
 	}
 	if e.Principal {
-		return fmt.Sprintf("you already have %d live sessions, the most one client may hold (--%s); reset_session one you no longer need, or continue in an existing one", e.Limit, e.Flag)
+		return fmt.Sprintf("you already have %s, the most one client may hold (--%s); reset_session one you no longer need, or continue in an existing one", liveSessions(e.Limit), e.Flag)
 	}
-	return fmt.Sprintf("kiln already holds %d live sessions, the most it allows across all clients (--%s); reset_session one you no longer need, or retry later", e.Limit, e.Flag)
+	return fmt.Sprintf("kiln already holds %s, the most it allows across all clients (--%s); reset_session one you no longer need, or retry later", liveSessions(e.Limit), e.Flag)
+}
+
+func liveSessions(n int) string {
+	if n == 1 {
+		return "1 live session"
+	}
+	return fmt.Sprintf("%d live sessions", n)
 }
 
 func (e *QuotaError) Is(target error) bool { return target == ErrTooMany }
