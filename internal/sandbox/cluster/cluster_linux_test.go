@@ -331,6 +331,51 @@ func TestPlacement(t *testing.T) {
 	}
 }
 
+// TestBoxCapAcrossFronts: the cluster's box cap is the sum of its nodes'
+// --max-boxes, held at each node whatever front asks. Two fronts racing
+// for six boxes on two nodes of 2 get four between them, and the other
+// two are told the nodes are full.
+func TestBoxCapAcrossFronts(t *testing.T) {
+	dir := certs(t)
+	a, na := startNode(t, dir, cluster.NodeOptions{MaxBoxes: 2})
+	b, nb := startNode(t, dir, cluster.NodeOptions{MaxBoxes: 2})
+	fronts := []*cluster.Backend{front(t, dir, a, b), front(t, dir, b, a)}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var mu sync.Mutex
+	var made []sandbox.Sandbox
+	var refused []error
+	var wg sync.WaitGroup
+	for i := range 6 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			box, err := fronts[i%2].Create(ctx, sandbox.Spec{ID: fmt.Sprintf("cap%d", i)})
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				refused = append(refused, err)
+				return
+			}
+			made = append(made, box)
+		}()
+	}
+	wg.Wait()
+	defer func() {
+		for _, box := range made {
+			box.Close()
+		}
+	}()
+	if len(made) != 4 || na.Status().Boxes != 2 || nb.Status().Boxes != 2 {
+		t.Fatalf("two fronts made %d boxes on two nodes of 2 (the nodes count %d and %d), want 4; refused: %v", len(made), na.Status().Boxes, nb.Status().Boxes, refused)
+	}
+	for _, err := range refused {
+		if !strings.Contains(err.Error(), "full") {
+			t.Errorf("a refused box's error does not say the nodes are full: %v", err)
+		}
+	}
+}
+
 func waitFor(t *testing.T, cond func() bool) {
 	t.Helper()
 	for deadline := time.Now().Add(30 * time.Second); !cond(); {
