@@ -115,6 +115,27 @@ describe('hibernate (HTTP, SIGTERM and kill -9, two principals)', () => {
     }
   });
 
+  it('a second server on the same --state-dir waits for the first, then says who holds it', async () => {
+    const srv = await startHTTP({ flags });
+    try {
+      const alice = await connectHTTP(srv.url, 'hibernate-token-of-alice');
+      ok(await call(alice.client, 'run_python', { session: 'held', code: 'x = 1' }));
+      await alice.close();
+      await assert.rejects(startHTTP({ flags: [...flags, '--hibernate-shutdown-time', '1s'] }),
+        (err) => {
+          assert.match(err.message, /waiting for another kiln to let go of the state directory/, err.message);
+          assert.match(err.message, new RegExp(`state directory .* is in use by another kiln \\(pid ${srv.proc.pid} on `), err.message);
+          return true;
+        });
+      // The first goes on serving the session it holds.
+      const again = await connectHTTP(srv.url, 'hibernate-token-of-alice');
+      assert.match(ok(await call(again.client, 'run_python', { session: 'held', code: 'print(x)' })), /^1$/m);
+      await again.close();
+    } finally {
+      await srv.stop();
+    }
+  });
+
   it('after kill -9 a session comes back as of its last checkpoint', async () => {
     const ck = [...flags, '--checkpoint-every', '1ms'];
     let srv = await startHTTP({ flags: ck });

@@ -259,9 +259,45 @@ type stack struct {
 	ledger  session.Ledger // nil: none
 	srv     *mcpserver.Server
 	obs     *observers
+	state   *session.StateLock // nil: no --state-dir
 }
 
+// start holds --state-dir for this server, then starts the rest.
 func (c *common) start(ctx context.Context, log *slog.Logger) (*stack, error) {
+	lock, err := c.lockState(ctx, log)
+	if err != nil {
+		return nil, err
+	}
+	st, err := c.startLocked(ctx, log)
+	if err != nil {
+		lock.Close()
+		return nil, err
+	}
+	st.state = lock
+	return st, nil
+}
+
+// lockState takes --state-dir, if there is one, waiting for a server
+// that stops there for as long as it may spend saving its sessions.
+func (c *common) lockState(ctx context.Context, log *slog.Logger) (*session.StateLock, error) {
+	if c.snapshots.stateDir == "" {
+		return nil, nil
+	}
+	dir, err := filepath.Abs(c.snapshots.stateDir)
+	if err != nil {
+		return nil, err
+	}
+	if err := session.PrepareStateDir(dir); err != nil {
+		return nil, err
+	}
+	return session.LockStateDir(ctx, dir, max(c.hib.saveTimeout, 0)+stateLockSlack, log)
+}
+
+// stateLockSlack is how much longer than --hibernate-shutdown-time a
+// server waits for another to let go of --state-dir.
+const stateLockSlack = 5 * time.Second
+
+func (c *common) startLocked(ctx context.Context, log *slog.Logger) (*stack, error) {
 	mode := session.Mode(c.mode)
 	if mode != session.ModeSession && mode != session.ModePerCall {
 		return nil, fmt.Errorf("--mode must be session or per-call, not %q", c.mode)
@@ -373,6 +409,7 @@ func (s *stack) close() {
 		s.net.gateway.Close()
 	}
 	s.obs.close()
+	s.state.Close() // last: the sessions are saved
 }
 
 func signalContext() (context.Context, context.CancelFunc) {

@@ -30,8 +30,8 @@ func (h *hibernateFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&h.saveTimeout, "hibernate-shutdown-time", session.DefaultHibernateSaveTimeout, "with --state-dir: the most the server spends saving live sessions when it stops")
 }
 
-// options returns the session options for --state-dir; Dir is empty
-// without one: sessions end with the server.
+// options returns the session options for --state-dir (made and held by
+// lockState); Dir is empty without one: sessions end with the server.
 func (h *hibernateFlags) options(stateDir string) (session.HibernateOptions, error) {
 	if stateDir == "" {
 		return session.HibernateOptions{}, nil
@@ -41,9 +41,6 @@ func (h *hibernateFlags) options(stateDir string) (session.HibernateOptions, err
 	}
 	dir, err := filepath.Abs(stateDir)
 	if err != nil {
-		return session.HibernateOptions{}, err
-	}
-	if err := session.PrepareStateDir(dir); err != nil {
 		return session.HibernateOptions{}, err
 	}
 	every := h.checkpointEvery
