@@ -37,6 +37,7 @@ func runNode(args []string, stdout, stderr io.Writer) error {
 	listen := fs.String("listen", "127.0.0.1:7070", "address the fronts reach the node at, host:port")
 	reg := registerNodeFlags(fs)
 	tlsDir := fs.String("tls", "", "directory of the node's certificates (kiln node certs): ca.pem, node.pem, node-key.pem")
+	maxPending := fs.Int("max-pending", cluster.DefaultMaxPending, "connections whose front has not yet shown its certificate; past it a new one is closed at once")
 	groupUsage(fs)
 	usage := fs.Usage
 	fs.Usage = func() { fmt.Fprint(stderr, nodeUsage); usage() }
@@ -45,6 +46,9 @@ func runNode(args []string, stdout, stderr io.Writer) error {
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("kiln node: unexpected %q (kiln node [flags] or kiln node certs)", fs.Arg(0))
+	}
+	if *maxPending <= 0 {
+		return fmt.Errorf("kiln node: --max-pending must be at least 1, not %d", *maxPending)
 	}
 	if *tlsDir == "" {
 		return errors.New("kiln node needs --tls DIR, the node's certificates: make them with kiln node certs --dir DIR")
@@ -81,7 +85,7 @@ func runNode(args []string, stdout, stderr io.Writer) error {
 			}
 		}()
 	}
-	n, err := cluster.NewNode(cluster.NodeOptions{Backend: b, TLS: cfg, Limits: c.limits(), Preload: preload, MaxBoxes: maxBoxes, Logger: log})
+	n, err := cluster.NewNode(cluster.NodeOptions{Backend: b, TLS: cfg, Limits: c.limits(), Preload: preload, MaxBoxes: maxBoxes, MaxPending: *maxPending, Logger: log})
 	if err != nil {
 		return err
 	}

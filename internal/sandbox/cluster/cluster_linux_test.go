@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
@@ -664,5 +665,83 @@ func TestDiscover(t *testing.T) {
 		if listings.Load() == before {
 			t.Errorf("API server away %v: the front did not list the nodes", away)
 		}
+	}
+}
+
+// logLines is a slog handler's output, safe for a test to read while a
+// node writes it.
+type logLines struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *logLines) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *logLines) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// TestPendingCapped: whoever reaches a node's port cannot hold it with
+// handshakes it never finishes. Past --max-pending silent connections a
+// new one is closed at once, the refusals are logged about once a second
+// rather than each, and once the silent ones go a front is served again.
+// The first status is the control: the node serves a front at all.
+func TestPendingCapped(t *testing.T) {
+	dir := certs(t)
+	var logged logLines
+	addr, _ := startNode(t, dir, cluster.NodeOptions{MaxPending: 4, HandshakeTimeout: time.Minute,
+		Logger: slog.New(slog.NewTextHandler(&logged, nil))})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	f := front(t, dir, addr)
+	if _, err := f.Status(ctx, addr); err != nil {
+		t.Fatalf("control: %v", err)
+	}
+	var silent []net.Conn
+	defer func() {
+		for _, c := range silent {
+			c.Close()
+		}
+	}()
+	for range 4 {
+		c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		silent = append(silent, c)
+	}
+	for i := range 20 {
+		c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.SetReadDeadline(time.Now().Add(20 * time.Second))
+		_, err = c.Read(make([]byte, 1))
+		c.Close()
+		var ne net.Error
+		if err == nil || errors.As(err, &ne) && ne.Timeout() {
+			t.Fatalf("connection %d past 4 silent ones was held open (read: %v)", i+5, err)
+		}
+	}
+	if n := strings.Count(logged.String(), "refused connections"); n == 0 || n > 5 {
+		t.Errorf("20 refusals were logged in %d lines, want a few:\n%s", n, logged.String())
+	}
+	for _, c := range silent {
+		c.Close()
+	}
+	silent = nil
+	for i := 0; ; i++ {
+		if _, err := f.Status(ctx, addr); err == nil {
+			break
+		} else if i > 100 {
+			t.Fatalf("once the silent connections went, the front is still refused: %v", err)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }

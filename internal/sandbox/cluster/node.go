@@ -10,7 +10,10 @@ import (
 	"log/slog"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
+
+	"golang.org/x/time/rate"
 
 	"kiln/internal/agentproto"
 	"kiln/internal/sandbox"
@@ -37,7 +40,15 @@ type NodeOptions struct {
 	// frame (default 10 s); CreateTimeout the making of its box (2 min).
 	HandshakeTimeout time.Duration
 	CreateTimeout    time.Duration
+	// MaxPending caps the connections whose front has not yet shown its
+	// certificate and first frame (default 64): past it a connection is
+	// closed at once, so that whoever reaches the port cannot hold the
+	// node's memory with handshakes it never finishes.
+	MaxPending int
 }
+
+// DefaultMaxPending is NodeOptions.MaxPending's default.
+const DefaultMaxPending = 64
 
 // Node serves a local backend's boxes to fronts (kiln node).
 type Node struct {
@@ -51,6 +62,12 @@ type Node struct {
 	lns    map[net.Listener]struct{}
 	conns  map[net.Conn]struct{}
 	wg     sync.WaitGroup
+
+	pending chan struct{} // a place for each connection not yet authenticated
+	// Refused connections are logged at most once a second, with the
+	// count since the last line: anyone who reaches the port can make them.
+	refusals atomic.Int64
+	refusing rate.Sometimes
 }
 
 // forwarder is a box that relays another host's requests: every box on
@@ -85,8 +102,21 @@ func NewNode(o NodeOptions) (*Node, error) {
 	if o.CreateTimeout <= 0 {
 		o.CreateTimeout = 2 * time.Minute
 	}
+	if o.MaxPending <= 0 {
+		o.MaxPending = DefaultMaxPending
+	}
 	o.Limits = o.Limits.WithDefaults()
-	return &Node{o: o, log: o.Logger, name: randomName("run-"), lns: map[net.Listener]struct{}{}, conns: map[net.Conn]struct{}{}}, nil
+	return &Node{o: o, log: o.Logger, name: randomName("run-"), lns: map[net.Listener]struct{}{}, conns: map[net.Conn]struct{}{},
+		pending: make(chan struct{}, o.MaxPending), refusing: rate.Sometimes{Interval: time.Second}}, nil
+}
+
+// refused counts a connection refused before its front was known, and
+// logs it unless another was logged in the last second.
+func (n *Node) refused(from net.Addr, why string, err error) {
+	n.refusals.Add(1)
+	n.refusing.Do(func() {
+		n.log.Warn("refused connections", "count", n.refusals.Swap(0), "last_from", from.String(), "last", why, "err", err)
+	})
 }
 
 // Status is what the node would answer a front's OpStatus now.
@@ -123,6 +153,13 @@ func (n *Node) Serve(ln net.Listener) error {
 				continue
 			}
 			return err
+		}
+		select {
+		case n.pending <- struct{}{}:
+		default:
+			c.Close()
+			n.refused(c.RemoteAddr(), "too many connections not yet authenticated", fmt.Errorf("%d pending", n.o.MaxPending))
+			continue
 		}
 		if !n.track(c) {
 			c.Close()
@@ -174,10 +211,16 @@ func (n *Node) Close() error {
 // long as the connection lasts.
 func (n *Node) serveConn(raw net.Conn) {
 	log := n.log.With("front", raw.RemoteAddr().String())
+	authenticated := false
+	defer func() {
+		if !authenticated {
+			<-n.pending
+		}
+	}()
 	tc := tls.Server(raw, n.o.TLS)
 	raw.SetDeadline(time.Now().Add(n.o.HandshakeTimeout))
 	if err := tc.Handshake(); err != nil {
-		log.Warn("refused a connection", "err", err)
+		n.refused(raw.RemoteAddr(), "TLS handshake", err)
 		return
 	}
 	var open Open
@@ -186,10 +229,12 @@ func (n *Node) serveConn(raw net.Conn) {
 		err = open.check()
 	}
 	if err != nil {
-		log.Warn("refused a front's first frame", "err", err)
+		n.refused(raw.RemoteAddr(), "a front's first frame", err)
 		return
 	}
 	raw.SetDeadline(time.Time{})
+	authenticated = true
+	<-n.pending
 	st := n.Status()
 	if err := agentproto.WriteFrame(tc, &st); err != nil || open.Op == OpStatus {
 		return
