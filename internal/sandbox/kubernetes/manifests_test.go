@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	goruntime "runtime"
 	"testing"
+	"time"
 
 	authv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -75,31 +76,45 @@ func TestManifestsParse(t *testing.T) {
 // with the ServiceAccount's own token: the Role grants all the backend
 // needs (Pods, attach, Leases, NetworkPolicy, and a session's Pod bound and
 // adopted by another replica).
+// applyRBAC creates o, a ServiceAccount, Role or RoleBinding of a
+// manifest, in ns (the binding's ServiceAccounts too), and says whether o
+// was one of those.
+func applyRBAC(t *testing.T, cs kubernetes.Interface, ns string, o runtime.Object) bool {
+	t.Helper()
+	ctx := context.Background()
+	var err error
+	switch o := o.(type) {
+	case *corev1.ServiceAccount:
+		o.Namespace = ns
+		_, err = cs.CoreV1().ServiceAccounts(ns).Create(ctx, o, metav1.CreateOptions{})
+	case *rbacv1.Role:
+		o.Namespace = ns
+		_, err = cs.RbacV1().Roles(ns).Create(ctx, o, metav1.CreateOptions{})
+	case *rbacv1.RoleBinding:
+		o.Namespace = ns
+		for i := range o.Subjects {
+			if o.Subjects[i].Kind == rbacv1.ServiceAccountKind {
+				o.Subjects[i].Namespace = ns
+			}
+		}
+		_, err = cs.RbacV1().RoleBindings(ns).Create(ctx, o, metav1.CreateOptions{})
+	default:
+		return false
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return true
+}
+
 func TestRBACSuffices(t *testing.T) {
 	c := needCluster(t)
 	ns := c.namespace(t)
 	ctx := context.Background()
 	cs := c.cs
 	for _, o := range manifest(t, "rbac.yaml") {
-		var err error
-		switch o := o.(type) {
-		case *corev1.ServiceAccount:
-			o.Namespace = ns
-			_, err = cs.CoreV1().ServiceAccounts(ns).Create(ctx, o, metav1.CreateOptions{})
-		case *rbacv1.Role:
-			o.Namespace = ns
-			_, err = cs.RbacV1().Roles(ns).Create(ctx, o, metav1.CreateOptions{})
-		case *rbacv1.RoleBinding:
-			o.Namespace = ns
-			for i := range o.Subjects {
-				o.Subjects[i].Namespace = ns
-			}
-			_, err = cs.RbacV1().RoleBindings(ns).Create(ctx, o, metav1.CreateOptions{})
-		default:
+		if !applyRBAC(t, cs, ns, o) {
 			t.Fatalf("unexpected %T in rbac.yaml", o)
-		}
-		if err != nil {
-			t.Fatal(err)
 		}
 	}
 	// The namespace's Pod Security level is namespace.yaml's: the
@@ -191,5 +206,22 @@ func TestRBACSuffices(t *testing.T) {
 	for range 2 {
 		b := c.backend(t, ns, Options{Client: scs, Config: cfg, Egress: gw, Policy: pol})
 		b.Close()
+	}
+	// With --cluster-quotas a front holds its Lease and writes, and then
+	// deletes, a principal's count.
+	g, err := newSessionLedger(ctx, scs, LedgerOptions{Namespace: ns, Front: "rbac", Duration: 3 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	g.Bind(func(string) []string { return []string{"s"} })
+	if ok, _, err := g.Claim(ctx, "alice", 4); err != nil || !ok {
+		t.Errorf("the ServiceAccount's front could not count a session: %v, %v", ok, err)
+	}
+	g.Bind(func(string) []string { return nil })
+	if ok, _, err := g.Claim(ctx, "alice", 4); err != nil || !ok {
+		t.Errorf("the ServiceAccount's front could not count a session out: %v, %v", ok, err)
+	}
+	if err := g.Close(); err != nil {
+		t.Error(err)
 	}
 }

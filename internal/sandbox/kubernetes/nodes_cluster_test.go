@@ -17,7 +17,6 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	coordv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
-	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/tools/clientcmd"
@@ -73,24 +72,12 @@ func TestNodeDaemonSet(t *testing.T) {
 			}
 			nso.Labels = o.Labels
 			_, err = cs.CoreV1().Namespaces().Update(ctx, nso, metav1.UpdateOptions{})
-		case *corev1.ServiceAccount:
-			o.Namespace = ns
-			_, err = cs.CoreV1().ServiceAccounts(ns).Create(ctx, o, metav1.CreateOptions{})
-		case *rbacv1.Role:
-			o.Namespace = ns
-			_, err = cs.RbacV1().Roles(ns).Create(ctx, o, metav1.CreateOptions{})
-		case *rbacv1.RoleBinding:
-			o.Namespace = ns
-			for i := range o.Subjects {
-				if o.Subjects[i].Name == "kiln-node" {
-					o.Subjects[i].Namespace = ns
-				}
-			}
-			_, err = cs.RbacV1().RoleBindings(ns).Create(ctx, o, metav1.CreateOptions{})
 		case *appsv1.DaemonSet:
 			ds = o
 		default:
-			t.Fatalf("unexpected %T in node.yaml", o)
+			if !applyRBAC(t, cs, ns, o) {
+				t.Fatalf("unexpected %T in node.yaml", o)
+			}
 		}
 		if err != nil {
 			t.Fatal(err)
