@@ -76,3 +76,23 @@ func (h *heldLease) Close() error {
 	}
 	return nil
 }
+
+// leaseDefaults fills in a held Lease's options: its duration (def when
+// 0; at least 3 s, since it is renewed three times per duration in whole
+// seconds), its namespace (kiln's own) and its logger. what names the
+// holder in the error.
+func leaseDefaults(what string, d, def time.Duration, ns string, log *slog.Logger) (time.Duration, string, *slog.Logger, error) {
+	if d == 0 {
+		d = def
+	}
+	if d < 3*time.Second {
+		return 0, "", nil, fmt.Errorf("%s Lease duration %v: it must be at least 3s", what, d)
+	}
+	if ns == "" {
+		ns = inClusterNamespace()
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return d, ns, log, nil
+}

@@ -112,17 +112,9 @@ func NewSessionLedger(ctx context.Context, o LedgerOptions) (*SessionLedger, err
 }
 
 func newSessionLedger(ctx context.Context, cs kubernetes.Interface, o LedgerOptions) (*SessionLedger, error) {
-	if o.Duration == 0 {
-		o.Duration = DefaultFrontLeaseDuration
-	}
-	if o.Duration < 3*time.Second {
-		return nil, fmt.Errorf("front Lease duration %v: it must be at least 3s", o.Duration)
-	}
-	if o.Namespace == "" {
-		o.Namespace = inClusterNamespace()
-	}
-	if o.Logger == nil {
-		o.Logger = slog.New(slog.DiscardHandler)
+	var err error
+	if o.Duration, o.Namespace, o.Logger, err = leaseDefaults("front", o.Duration, DefaultFrontLeaseDuration, o.Namespace, o.Logger); err != nil {
+		return nil, err
 	}
 	if o.Front == "" {
 		o.Front = defaultFrontName()

@@ -72,18 +72,9 @@ func RegisterNode(ctx context.Context, o RegisterOptions) (*NodeRegistration, er
 	if errs := validation.IsDNS1123Subdomain(nodeLeaseName(o.Node)); o.Node == "" || errs != nil {
 		return nil, fmt.Errorf("node name %q: not a name for a Lease: %s", o.Node, strings.Join(errs, "; "))
 	}
-	if o.Duration == 0 {
-		o.Duration = DefaultNodeLeaseDuration
-	}
-	// Renewed three times per duration, in whole seconds.
-	if o.Duration < 3*time.Second {
-		return nil, fmt.Errorf("node Lease duration %v: it must be at least 3s", o.Duration)
-	}
-	if o.Namespace == "" {
-		o.Namespace = inClusterNamespace()
-	}
-	if o.Logger == nil {
-		o.Logger = slog.New(slog.DiscardHandler)
+	var err error
+	if o.Duration, o.Namespace, o.Logger, err = leaseDefaults("node", o.Duration, DefaultNodeLeaseDuration, o.Namespace, o.Logger); err != nil {
+		return nil, err
 	}
 	cfg, err := restConfig(o.Kubeconfig)
 	if err != nil {
