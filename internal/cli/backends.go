@@ -51,8 +51,8 @@ var registry = []backendEntry{
 		setupTemplate: setupJail,
 		// Under cgroup v2 a box leaves the bench's group for the server's
 		// own (jail's serverGroup); under v1 it stays in its cpuacct.
-		bench: bench.Traits{BoxCgroups: true, Hardening: true, CPUGroups: []string{jail.ServerCgroupParent + "/{pid}"},
-			CPUGroupsNote: "the jail's: kiln/<server pid> under cgroup v2"},
+		bench: bench.Traits{BoxCgroups: true, Hardening: true, CPUGroups: []string{jail.ServerCgroupPattern()},
+			CPUGroupsNote: "the jail's: kiln/<server pid> under cgroup v2 (kiln/pidns<inode>.<pid> in a container's pid namespace)"},
 		flags: func(fs *flag.FlagSet) backendFactory {
 			var c jail.Config
 			c.RegisterFlags(fs)

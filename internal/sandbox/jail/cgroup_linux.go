@@ -59,13 +59,18 @@ func detectCgroups(all sandbox.Limits, rootless bool) (*cgroups, error) {
 // serverGroup is this server's group, the parent of its boxes' groups:
 // kiln/<pid>, or kiln/pidns<inode>.<pid> in a pid namespace of its own
 // over the host's cgroup tree (nestedPids).
-func serverGroup() string { return ServerCgroupParent + "/" + serverName() }
+func serverGroup() string { return ServerCgroupParent + "/" + serverName(strconv.Itoa(os.Getpid())) }
 
-func serverName() string {
+// ServerCgroupPattern is the group of a jail server this process starts,
+// {pid} standing for the server's pid: serverGroup as that server names
+// it, since it shares this process's pid namespace.
+func ServerCgroupPattern() string { return ServerCgroupParent + "/" + serverName("{pid}") }
+
+func serverName(pid string) string {
 	if ns, nested := nestedPids(); nested {
-		return pidnsPrefix + strconv.FormatUint(ns, 10) + "." + strconv.Itoa(os.Getpid())
+		return pidnsPrefix + strconv.FormatUint(ns, 10) + "." + pid
 	}
-	return strconv.Itoa(os.Getpid())
+	return pid
 }
 
 // pidnsPrefix starts the group names of kilns in pid namespaces of their

@@ -50,15 +50,15 @@ func TestAllBoxesLimit(t *testing.T) {
 
 	// The box's group sits in the server's, which has the limits.
 	server := []string{
-		fmt.Sprintf("/sys/fs/cgroup/memory/kiln/%d/memory.limit_in_bytes", os.Getpid()),
-		fmt.Sprintf("/sys/fs/cgroup/pids/kiln/%d/pids.max", os.Getpid()),
-		fmt.Sprintf("/sys/fs/cgroup/pids/kiln/%d/allboxes", os.Getpid()),
+		fmt.Sprintf("/sys/fs/cgroup/memory/%s/memory.limit_in_bytes", ownGroup()),
+		fmt.Sprintf("/sys/fs/cgroup/pids/%s/pids.max", ownGroup()),
+		fmt.Sprintf("/sys/fs/cgroup/pids/%s/allboxes", ownGroup()),
 	}
 	if _, err := os.Stat("/sys/fs/cgroup/cgroup.controllers"); err == nil {
 		server = []string{
-			fmt.Sprintf("/sys/fs/cgroup/kiln/%d/memory.max", os.Getpid()),
-			fmt.Sprintf("/sys/fs/cgroup/kiln/%d/pids.max", os.Getpid()),
-			fmt.Sprintf("/sys/fs/cgroup/kiln/%d/allboxes", os.Getpid()),
+			fmt.Sprintf("/sys/fs/cgroup/%s/memory.max", ownGroup()),
+			fmt.Sprintf("/sys/fs/cgroup/%s/pids.max", ownGroup()),
+			fmt.Sprintf("/sys/fs/cgroup/%s/allboxes", ownGroup()),
 		}
 	}
 	for i, want := range []string{fmt.Sprint(memLimit), fmt.Sprint(pidsLimit)} {
@@ -128,9 +128,9 @@ func TestCPULimit(t *testing.T) {
 	}
 	group := func(id string) string {
 		if v2 {
-			return fmt.Sprintf("/sys/fs/cgroup/kiln/%d/%s", os.Getpid(), id)
+			return fmt.Sprintf("/sys/fs/cgroup/%s/%s", ownGroup(), id)
 		}
-		return fmt.Sprintf("/sys/fs/cgroup/cpu/kiln/%d/%s", os.Getpid(), id)
+		return fmt.Sprintf("/sys/fs/cgroup/cpu/%s/%s", ownGroup(), id)
 	}
 	throttled := func(t *testing.T, id string) int64 {
 		t.Helper()

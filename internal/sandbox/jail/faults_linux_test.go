@@ -24,12 +24,18 @@ import (
 
 var _ sandboxtest.LeakChecker = (*jail.Backend)(nil)
 
+// ownGroup is this test server's group under a controller's root
+// (kiln/<pid>, or kiln/pidns<inode>.<pid> in a container's pid namespace).
+func ownGroup() string {
+	return strings.ReplaceAll(jail.ServerCgroupPattern(), "{pid}", strconv.Itoa(os.Getpid()))
+}
+
 // boxPids lists the host pids in this server's box cgroups.
 func boxPids(t *testing.T) []int {
 	t.Helper()
-	groups, _ := filepath.Glob(fmt.Sprintf("/sys/fs/cgroup/pids/kiln/%d/*/cgroup.procs", os.Getpid()))
+	groups, _ := filepath.Glob(fmt.Sprintf("/sys/fs/cgroup/pids/%s/*/cgroup.procs", ownGroup()))
 	if len(groups) == 0 {
-		groups, _ = filepath.Glob(fmt.Sprintf("/sys/fs/cgroup/kiln/%d/*/cgroup.procs", os.Getpid()))
+		groups, _ = filepath.Glob(fmt.Sprintf("/sys/fs/cgroup/%s/*/cgroup.procs", ownGroup()))
 	}
 	var pids []int
 	for _, g := range groups {
@@ -146,10 +152,11 @@ func serverKilled(t *testing.T, zygote, wedge bool) {
 	srv.Send(t, `{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"run_shell","arguments":{"command":"(exec -a `+marker+` sleep 600) & wait","timeout_s":300}}}`)
 	waitFor(t, func() bool { return len(sandboxtest.Leftovers(marker)) > 0 }, "the call to start")
 	pid := srv.Cmd.Process.Pid
+	group := strings.ReplaceAll(jail.ServerCgroupPattern(), "{pid}", strconv.Itoa(pid))
 	owned := func() []string {
 		var out []string
-		for _, pat := range []string{"/sys/fs/cgroup/*/kiln/%d", "/sys/fs/cgroup/kiln/%d", filepath.Join(os.TempDir(), "kiln-jail", "root-%d.*")} {
-			m, _ := filepath.Glob(fmt.Sprintf(pat, pid))
+		for _, pat := range []string{"/sys/fs/cgroup/*/" + group, "/sys/fs/cgroup/" + group, filepath.Join(os.TempDir(), "kiln-jail", fmt.Sprintf("root-%d.*", pid))} {
+			m, _ := filepath.Glob(pat)
 			out = append(out, m...)
 		}
 		return out
@@ -158,8 +165,8 @@ func serverKilled(t *testing.T, zygote, wedge bool) {
 		t.Fatalf("the server owns no cgroup or mount point; the check is blind")
 	}
 	if wedge {
-		procs, _ := filepath.Glob(fmt.Sprintf("/sys/fs/cgroup/pids/kiln/%d/*/cgroup.procs", pid))
-		v2, _ := filepath.Glob(fmt.Sprintf("/sys/fs/cgroup/kiln/%d/*/cgroup.procs", pid))
+		procs, _ := filepath.Glob("/sys/fs/cgroup/pids/" + group + "/*/cgroup.procs")
+		v2, _ := filepath.Glob("/sys/fs/cgroup/" + group + "/*/cgroup.procs")
 		stopped := 0
 		for _, f := range append(procs, v2...) {
 			b, _ := os.ReadFile(f)

@@ -17,6 +17,9 @@ func New(opts Options) (*Backend, error) {
 	return nil, fmt.Errorf("jail: %w: it needs Linux namespaces", sandbox.ErrUnsupported)
 }
 
+// ServerCgroupPattern is the group a jail server would have on Linux.
+func ServerCgroupPattern() string { return ServerCgroupParent + "/{pid}" }
+
 // MaybeInit does nothing off Linux.
 func MaybeInit() {}
 
