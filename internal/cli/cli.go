@@ -109,6 +109,7 @@ func Main(args []string, stdout, stderr io.Writer) int {
 
 // common are the flags every serving command shares.
 type common struct {
+	ignored      []foreignFlag // of other backends, on the command line (parseFlags)
 	backend      string
 	mode         string
 	agent        string
@@ -184,7 +185,11 @@ func (c *common) logger(stderr io.Writer) *slog.Logger {
 	if c.verbose {
 		level = slog.LevelDebug
 	}
-	return slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
+	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
+	for _, f := range c.ignored {
+		log.Warn("--"+f.flag+" is a flag of --backend "+f.backend+", and this server runs --backend "+c.backend+": it does nothing here", "flag", f.flag)
+	}
+	return log
 }
 
 func (c *common) limits() sandbox.Limits {
@@ -422,7 +427,7 @@ func runMCP(args []string, stdout, stderr io.Writer) error {
 	var c common
 	c.register(fs)
 	c.obs.register(fs)
-	if err := parseFlags(fs, args); err != nil {
+	if err := c.parseFlags(fs, args); err != nil {
 		return err
 	}
 	log := c.logger(stderr)
@@ -452,7 +457,7 @@ func runServe(args []string, stderr io.Writer) error {
 	tokenFile := fs.String("token-file", "", "file of bearer tokens, one per line (\"principal:token\" or \"token\"), readable by its owner only; KILN_TOKEN adds one")
 	httpFlags := registerHTTPLimits(fs)
 	authF := registerAuth(fs)
-	if err := parseFlags(fs, args); err != nil {
+	if err := c.parseFlags(fs, args); err != nil {
 		return err
 	}
 	toks, err := mcpserver.LoadTokens(os.Getenv("KILN_TOKEN"), *tokenFile)
@@ -513,7 +518,7 @@ func runOnce(args []string, stdout, stderr io.Writer) (int, error) {
 	file := fs.String("f", "", "file of code to run (- for stdin)")
 	shell := fs.Bool("shell", false, "run as a bash command line instead of Python")
 	images := fs.String("images", "", "directory to save images to (default: only list them)")
-	if err := parseFlags(fs, args); err != nil {
+	if err := c.parseFlags(fs, args); err != nil {
 		return 0, err
 	}
 	src := *code

@@ -30,32 +30,72 @@ const configUsage = "configuration file, TOML (default: $KILN_CONFIG, else the f
 // fs.Parse before doing anything else: kiln config print runs a command's
 // function up to here to learn its flags and their values.
 func parseFlags(fs *flag.FlagSet, args []string) error {
+	_, _, err := resolveFlags(fs, args)
+	return err
+}
+
+// c.parseFlags is parseFlags for a command that runs the one backend
+// --backend names. A flag of another backend on its command line does
+// nothing there: c.logger warns of it. (The file and the environment may
+// hold every backend's settings; and kiln bench gives its servers, and
+// the jail it measures alongside, the same flags.)
+func (c *common) parseFlags(fs *flag.FlagSet, args []string) error {
+	vals, layout, err := resolveFlags(fs, args)
+	if err != nil {
+		return err
+	}
+	own, known := map[string]bool{}, false
+	for _, s := range layout.Sections {
+		if s.Name == c.backend {
+			known = true
+			for _, f := range s.Flags {
+				own[f] = true
+			}
+		}
+	}
+	if !known {
+		return nil // the backend's factory says it is unknown
+	}
+	for _, s := range layout.Sections {
+		for _, f := range s.Flags {
+			if s.Name != c.backend && !own[f] && vals.Sources[f] == config.Flag {
+				c.ignored = append(c.ignored, foreignFlag{flag: f, backend: s.Name})
+			}
+		}
+	}
+	return nil
+}
+
+// foreignFlag is a flag of another backend than the one a command runs.
+type foreignFlag struct{ flag, backend string }
+
+func resolveFlags(fs *flag.FlagSet, args []string) (*config.Values, config.Layout, error) {
 	cfg := fs.String("config", "", configUsage)
 	if err := fs.Parse(args); err != nil {
-		return hintMissingFlag(err)
+		return nil, config.Layout{}, hintMissingFlag(err)
 	}
 	capture, _ := fs.Output().(*flagCapture)
 	if capture != nil && capture.flagsOnly {
 		capture.fs = fs
-		return errCaptured
+		return nil, config.Layout{}, errCaptured
 	}
 	path, data, err := readConfigFile(fs, *cfg, os.LookupEnv)
 	if err != nil {
-		return err
+		return nil, config.Layout{}, err
 	}
 	layout, err := fileLayout()
 	if err != nil {
-		return err
+		return nil, config.Layout{}, err
 	}
 	vals, err := config.Resolve(fs, path, data, layout, os.LookupEnv)
 	if err != nil {
-		return err
+		return nil, config.Layout{}, err
 	}
 	if capture != nil {
 		capture.fs, capture.vals = fs, vals
-		return errCaptured
+		return nil, config.Layout{}, errCaptured
 	}
-	return nil
+	return vals, layout, nil
 }
 
 // readConfigFile finds and reads the configuration file: --config, else

@@ -3,9 +3,11 @@ package cli
 import (
 	"bytes"
 	"flag"
+	"io"
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 
@@ -186,5 +188,34 @@ func TestConfigReachesCommands(t *testing.T) {
 	missing := filepath.Join(t.TempDir(), "none.toml")
 	if err := runMCP([]string{"--config", missing}, &out, &errOut); err == nil || !strings.Contains(err.Error(), "none.toml") {
 		t.Errorf("a missing --config file: err = %v", err)
+	}
+}
+
+// TestForeignBackendFlags: a flag of another backend on a server's
+// command line is named, with its backend, since it does nothing there;
+// one of the server's own backend, or common to all, is not. The same
+// flag through the environment is every backend's setting, and is not.
+func TestForeignBackendFlags(t *testing.T) {
+	cleanConfigEnv(t)
+	parse := func(args ...string) []foreignFlag {
+		t.Helper()
+		fs := flag.NewFlagSet("kiln mcp", flag.ContinueOnError)
+		fs.SetOutput(io.Discard)
+		var c common
+		c.register(fs)
+		if err := c.parseFlags(fs, args); err != nil {
+			t.Fatal(err)
+		}
+		return c.ignored
+	}
+	if got := parse("--backend", "jail", "--cluster-tls", "/x", "--memory", "256"); !slices.Equal(got, []foreignFlag{{"cluster-tls", "cluster"}}) {
+		t.Errorf("--cluster-tls with the jail: %v, want it named as the cluster's", got)
+	}
+	if got := parse("--backend", "cluster", "--cluster-tls", "/x", "--memory", "256"); len(got) != 0 {
+		t.Errorf("--cluster-tls with the cluster: %v, want nothing", got)
+	}
+	t.Setenv("KILN_CLUSTER_TLS", "/x")
+	if got := parse("--backend", "jail"); len(got) != 0 {
+		t.Errorf("KILN_CLUSTER_TLS with the jail: %v, want nothing", got)
 	}
 }

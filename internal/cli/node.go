@@ -41,7 +41,7 @@ func runNode(args []string, stdout, stderr io.Writer) error {
 	groupUsage(fs)
 	usage := fs.Usage
 	fs.Usage = func() { fmt.Fprint(stderr, nodeUsage); usage() }
-	if err := parseFlags(fs, args); err != nil {
+	if err := c.parseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
