@@ -289,3 +289,32 @@ func TestCloseStuckPerCall(t *testing.T) {
 	}
 	waitUntil(t, func() bool { return b.Live() == 0 }, "the stuck box to be destroyed")
 }
+
+// TestLimitReadsPerCall: a session call reads its box's limit counters
+// twice, before and after (on the cluster backend each read is a round
+// trip to the node); the session keeps the second for the next call
+// rather than reading them again. The first call is the control: the
+// backend counts reads at all.
+func TestLimitReadsPerCall(t *testing.T) {
+	mgr, b := inProcess(t, session.Options{})
+	s, err := mgr.Get("p", "reads")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if _, err := s.RunShell(ctx, "true", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if b.LimitReads() == 0 {
+		t.Fatal("control: the backend counted no read of the limit counters")
+	}
+	before := b.LimitReads()
+	for range 5 {
+		if _, err := s.RunShell(ctx, "true", time.Minute); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := b.LimitReads() - before; n != 10 {
+		t.Errorf("5 session calls read the limit counters %d times, want 10 (2 each)", n)
+	}
+}

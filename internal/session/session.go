@@ -408,6 +408,10 @@ type Outcome struct {
 	Files []agentproto.FileInfo
 
 	obs outcomeClass // for the observer
+	// hits are the box's limit counters at the call's end (hitsRead: they
+	// were read), for the session to keep without reading them again.
+	hits     *sandbox.LimitHits
+	hitsRead bool
 }
 
 // Session is one named sandbox lifetime: its box is created on first use
@@ -669,7 +673,11 @@ func (s *Session) WithBox(ctx context.Context, f func(sandbox.Sandbox) error) er
 // settle records how a call on box ended: the box's health, the session
 // and note the outcome carries, and the box dropped if the call lost it.
 func (s *Session) settle(box sandbox.Sandbox, out *Outcome, err error, fresh bool, note string) {
-	s.after(box, err)
+	if out != nil && out.hitsRead {
+		s.afterHits(box, err, out.hits)
+	} else {
+		s.after(box, err)
+	}
 	s.touched()
 	if out == nil {
 		return
@@ -693,13 +701,17 @@ func (s *Session) settle(box sandbox.Sandbox, out *Outcome, err error, fresh boo
 	}
 }
 
-func (s *Session) after(box sandbox.Sandbox, err error) {
+func (s *Session) after(box sandbox.Sandbox, err error) { s.afterHits(box, err, hits(box)) }
+
+// afterHits is after with the box's limit counters read already (h: the
+// reading at the end of the call; on the cluster each is a round trip to
+// the node).
+func (s *Session) afterHits(box sandbox.Sandbox, err error, h *sandbox.LimitHits) {
 	lost := ""
 	// A box kiln faulted on was closed, but may not be done dying yet.
 	if err != nil && (!alive(box) || errors.Is(err, errFaulted)) {
 		lost = lostReason(err)
 	}
-	h := hits(box)
 	s.mu.Lock()
 	s.lost, s.hits = lost, h
 	if lost != "" && s.box == box {
@@ -758,7 +770,8 @@ func (m *Manager) runBounded(ctx context.Context, box sandbox.Sandbox, timeout t
 
 	finish := func(r runResult) (*Outcome, error) {
 		out := &Outcome{ExecResult: r.res, Duration: time.Since(start), obs: outcomeClass{box: box.ID()}}
-		d := delta(before, hits(box)) // before Close, which may remove the counters
+		out.hits, out.hitsRead = hits(box), true // before Close, which may remove the counters
+		d := delta(before, out.hits)
 		if r.err != nil {
 			if errors.Is(r.err, sandbox.ErrDied) {
 				why := m.diedReason(box, d)

@@ -40,6 +40,7 @@ type Backend struct {
 	// oomKills and pidsRefused are what every box reports as its limit
 	// counters (sandbox.LimitReporter); HitLimits raises them.
 	oomKills, pidsRefused atomic.Int64
+	limitReads            atomic.Int64 // LimitHits calls, each a round trip on some backends
 	sent                  atomic.Int64 // bytes the agents wrote to the host
 
 	mu      sync.Mutex
@@ -221,7 +222,11 @@ var (
 	_ sandbox.StateLoader = (*countingConn)(nil)
 )
 
+// LimitReads is how many times the boxes' limit counters were read.
+func (b *Backend) LimitReads() int64 { return b.limitReads.Load() }
+
 func (c *countingConn) LimitHits() sandbox.LimitHits {
+	c.b.limitReads.Add(1)
 	return sandbox.LimitHits{OOMKills: c.b.oomKills.Load(), PidsRefused: c.b.pidsRefused.Load()}
 }
 
