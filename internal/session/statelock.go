@@ -39,6 +39,10 @@ func LockStateDir(ctx context.Context, dir string, wait time.Duration, log *slog
 		if err == nil {
 			break
 		}
+		if errors.Is(err, unix.ENOLCK) || errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.ENOSYS) {
+			f.Close()
+			return nil, fmt.Errorf("locking state directory %s: its file system takes no locks (%w), so kiln cannot make sure it is the only server there; use a local directory, or NFS with its lock service", dir, err)
+		}
 		if !errors.Is(err, unix.EWOULDBLOCK) {
 			f.Close()
 			return nil, fmt.Errorf("locking state directory %s: %w", dir, err)
