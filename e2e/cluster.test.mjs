@@ -3,7 +3,9 @@
 // relays every call. The whole shared behaviour suite runs through it
 // (charts, errors, timeouts, hostile payloads), then a node is killed
 // with SIGKILL under a live session, which resumes on the other node from
-// its last checkpoint and says what was lost.
+// its last checkpoint and says what was lost, and a front is killed with
+// SIGKILL under a live session, which another front goes on with in the
+// same box.
 //
 // Both nodes run on one host, kept apart as two processes with their own
 // listeners and boxes; two machines are not to be had here.
@@ -117,43 +119,50 @@ describe('cluster: a front replica killed under a live session', { skip }, () =>
   before(c.start);
   after(c.stop);
 
-  it('frees its boxes on the nodes, and another front on its state directory resumes the session', async () => {
-    const state = path.join(c.dir, 'state');
+  it('leaves the session\'s box on its node, and another front goes on with it in the same kernel', async () => {
     const tokenFile = path.join(c.dir, 'tokens');
-    writeFileSync(tokenFile, 'alice:cluster-token-of-alice\n', { mode: 0o600 });
-    const token = 'cluster-token-of-alice';
-    const flags = [...c.flags(), '--pool', '0', '--state-dir', state, '--checkpoint-every', '1ms', '--token-file', tokenFile];
+    writeFileSync(tokenFile, 'alice:cluster-token-of-alice\nbob:cluster-token-of-bob\n', { mode: 0o600 });
+    // No state directory on either front: the session can only go on in
+    // its box, never from a save.
+    const flags = [...c.flags(), '--pool', '0', '--token-file', tokenFile];
+    const made = () => c.nodes.reduce((n, node) => n + node.boxesMade(), 0);
+    const destroyed = () => c.nodes.reduce((n, node) => n + node.boxesDestroyed(), 0);
+    const logs = () => c.nodes.map((n) => n.log()).join('');
     const first = await startHTTP({ flags });
     try {
-      const conn = await connectHTTP(first.url, token);
+      const conn = await connectHTTP(first.url, 'cluster-token-of-alice');
       ok(await call(conn.client, 'run_python', { session: 'f', code: 'x = 41' }));
-      ok(await call(conn.client, 'run_python', { session: 'f', code: 'x = x' }));
-      for (let i = 0; ; i++) {
-        const list = text(await call(conn.client, 'list_sessions', {}));
-        if (/^f\tlive.*, saved \d+s ago/m.test(list) && !/changed since|not saved/.test(list)) break;
-        assert.ok(i < 100, `no checkpoint of f:\n${list}`);
-        await sleep(100);
-      }
-      const made = () => c.nodes.reduce((n, node) => n + node.boxesMade(), 0);
-      const destroyed = () => c.nodes.reduce((n, node) => n + node.boxesDestroyed(), 0);
+      ok(await call(conn.client, 'run_shell', { session: 'f', command: 'echo kept > note.txt' }));
       assert.equal(made() - destroyed(), 1, 'one live box on the nodes');
       first.proc.kill('SIGKILL');
-      for (let i = 0; made() !== destroyed(); i++) {
-        assert.ok(i < 200, `the nodes still hold ${made() - destroyed()} box(es) of the killed front`);
+      for (let i = 0; !/kept a session's box whose front went/.test(logs()); i++) {
+        assert.ok(i < 200, `no node kept the killed front's session box:\n${logs()}`);
         await sleep(50);
       }
+      assert.equal(made() - destroyed(), 1, 'the session\'s box is still on its node');
     } finally {
       await first.stop();
     }
     const second = await startHTTP({ flags });
     try {
-      const conn = await connectHTTP(second.url, token);
-      const t = ok(await call(conn.client, 'run_python', { session: 'f', code: 'print(x + 1)' }));
-      assert.match(t, /^42$/m, t);
-      assert.match(t, /resumed this session from hibernation/, t);
+      const conn = await connectHTTP(second.url, 'cluster-token-of-alice');
+      const t = ok(await call(conn.client, 'run_python', { session: 'f', code: 'print(x + 1, open("note.txt").read().strip())' }));
+      assert.match(t, /^42 kept$/m, `${t}\nthe second front's log:\n${second.log()}`);
+      assert.doesNotMatch(t, /resumed|new sandbox|restarted/i, t);
+      assert.match(logs(), /a front adopted a session's box/);
+      // Another principal's session of the same name is its own.
+      const bob = await connectHTTP(second.url, 'cluster-token-of-bob');
+      const b = ok(await call(bob.client, 'run_python', { session: 'f', code: 'print(globals().get("x"))' }));
+      assert.match(b, /^None$/m, b);
+      await bob.close();
       await conn.close();
     } finally {
       await second.stop();
+    }
+    // A front that stops the ordinary way closes its boxes: none is kept.
+    for (let i = 0; made() !== destroyed(); i++) {
+      assert.ok(i < 200, `the nodes still hold ${made() - destroyed()} box(es) of a front that stopped`);
+      await sleep(50);
     }
   });
 });

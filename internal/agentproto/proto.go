@@ -33,6 +33,13 @@ const (
 	// No agent answers it: a kiln node does, from its own count of the
 	// box it relays to (an agent refuses it as any unknown operation).
 	OpLimits = "limits"
+	// OpBind binds the box to a session (Request.Key, a digest of the
+	// session's principal and name), so that the box outlives its front's
+	// connection for a while and another front may adopt it; OpUnbind
+	// undoes that before the front closes the box on purpose. Only a kiln
+	// node answers them, as OpLimits.
+	OpBind   = "bind"
+	OpUnbind = "unbind"
 )
 
 // Hello is the first frame the agent sends, once its kernel is ready.
@@ -62,6 +69,8 @@ type Request struct {
 	// Live asks the agent to send Output frames while an OpPython or
 	// OpShell request runs.
 	Live bool `json:"live,omitempty"`
+	// Key is OpBind's session key.
+	Key string `json:"key,omitempty"`
 }
 
 // Response is an agent → host frame answering the Request with the same ID.

@@ -38,6 +38,7 @@ func runNode(args []string, stdout, stderr io.Writer) error {
 	reg := registerNodeFlags(fs)
 	tlsDir := fs.String("tls", "", "directory of the node's certificates (kiln node certs): ca.pem, node.pem, node-key.pem")
 	maxPending := fs.Int("max-pending", cluster.DefaultMaxPending, "connections whose front has not yet shown its certificate; past it a new one is closed at once")
+	orphanGrace := fs.Duration("orphan-grace", cluster.DefaultOrphanGrace, "how long a session's box whose front went away is kept for another front to adopt (0: destroyed at once)")
 	groupUsage(fs)
 	usage := fs.Usage
 	fs.Usage = func() { fmt.Fprint(stderr, nodeUsage); usage() }
@@ -49,6 +50,13 @@ func runNode(args []string, stdout, stderr io.Writer) error {
 	}
 	if *maxPending <= 0 {
 		return fmt.Errorf("kiln node: --max-pending must be at least 1, not %d", *maxPending)
+	}
+	if *orphanGrace < 0 {
+		return fmt.Errorf("kiln node: --orphan-grace must not be negative, not %s", *orphanGrace)
+	}
+	grace := *orphanGrace
+	if grace == 0 {
+		grace = -1 // NodeOptions: destroyed at once
 	}
 	if *tlsDir == "" {
 		return errors.New("kiln node needs --tls DIR, the node's certificates: make them with kiln node certs --dir DIR")
@@ -85,7 +93,7 @@ func runNode(args []string, stdout, stderr io.Writer) error {
 			}
 		}()
 	}
-	n, err := cluster.NewNode(cluster.NodeOptions{Backend: b, TLS: cfg, Limits: c.limits(), Preload: preload, MaxBoxes: maxBoxes, MaxPending: *maxPending, Logger: log})
+	n, err := cluster.NewNode(cluster.NodeOptions{Backend: b, TLS: cfg, Limits: c.limits(), Preload: preload, MaxBoxes: maxBoxes, MaxPending: *maxPending, OrphanGrace: grace, Logger: log})
 	if err != nil {
 		return err
 	}

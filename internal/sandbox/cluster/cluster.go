@@ -20,9 +20,20 @@
 // and each answer back under the front's request ID. Both ends validate
 // every frame from the box, the node first. Closing the connection
 // destroys the box; a box that dies closes the connection.
+//
+// A front binds a session's box to the session (agentproto.OpBind, with a
+// digest of its key: no node learns a principal or a session name). A
+// bound box whose front's connection ends without unbinding it (a front
+// killed or cut off) is kept for the node's orphan grace, and any front
+// may take it over with OpAdopt: the session goes on in the same kernel,
+// through whichever front its client reaches. A front that adopts a box
+// another front still holds takes it from that front, whose connection
+// the node closes.
 package cluster
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 
@@ -37,12 +48,18 @@ type Open struct {
 	Limits sandbox.Limits `json:"limits"`
 	// Urgent is sandbox.Spec.Urgent: a call waits for the box.
 	Urgent bool `json:"urgent,omitempty"`
+	// Key is the session key digest (SessionKey) of OpAdopt, and of an
+	// OpStatus that asks whether the node holds that session's box.
+	Key string `json:"key,omitempty"`
 }
 
 // Open operations.
 const (
 	OpCreate = "create"
 	OpStatus = "status"
+	// OpAdopt takes over the box bound to Key: the node answers its
+	// status with Holds, then, if it holds the box, the box's hello.
+	OpAdopt = "adopt"
 )
 
 // Status is a node's first answer on every connection: what placement
@@ -55,6 +72,8 @@ type Status struct {
 	Backend  string `json:"backend"`
 	Boxes    int    `json:"boxes"`     // live boxes the node made for fronts
 	MaxBoxes int    `json:"max_boxes"` // the node's cap; a node at it refuses OpCreate
+	// Holds answers an Open with a Key: the node holds a box bound to it.
+	Holds bool `json:"holds,omitempty"`
 }
 
 // maxOpenFrame bounds the frames before the agent protocol: an Open, a
@@ -69,9 +88,32 @@ func (s Status) Free() float64 {
 	return float64(s.MaxBoxes-s.Boxes) / float64(s.MaxBoxes)
 }
 
+// SessionKey is what a node is told of a session key
+// (sandbox.Adopter's): a digest, 64 hex digits.
+func SessionKey(key string) string {
+	h := sha256.Sum256([]byte("kiln-session\x00" + key))
+	return hex.EncodeToString(h[:])
+}
+
+// validKey says that k is a SessionKey.
+func validKey(k string) bool {
+	if len(k) != 2*sha256.Size {
+		return false
+	}
+	for _, c := range []byte(k) {
+		if (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+			return false
+		}
+	}
+	return true
+}
+
 func (o *Open) check() error {
+	if o.Key != "" && (!validKey(o.Key) || o.Op == OpCreate) || o.Op == OpAdopt && o.Key == "" {
+		return fmt.Errorf("a malformed session key (%d bytes)", len(o.Key))
+	}
 	switch o.Op {
-	case OpCreate, OpStatus:
+	case OpCreate, OpStatus, OpAdopt:
 		return nil
 	case "":
 		return errors.New("the open frame names no operation")

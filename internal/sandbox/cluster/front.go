@@ -10,6 +10,7 @@ import (
 	"net"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"kiln/internal/agentproto"
@@ -44,12 +45,16 @@ type Backend struct {
 	mu     sync.Mutex
 	listed []string  // the last listing of Discover
 	until  time.Time // when it stops standing
+
+	boxMu sync.Mutex
+	boxes map[string]*box // live boxes by ID, for Bind
 }
 
 var (
 	_ sandbox.Backend = (*Backend)(nil)
 	_ sandbox.Checker = (*Backend)(nil)
 	_ sandbox.Noter   = (*Backend)(nil)
+	_ sandbox.Adopter = (*Backend)(nil)
 )
 
 // New returns the cluster backend over o.Nodes.
@@ -77,7 +82,7 @@ func New(o Options) (*Backend, error) {
 	if o.DialTimeout <= 0 {
 		o.DialTimeout = 5 * time.Second
 	}
-	return &Backend{o: o, log: o.Logger}, nil
+	return &Backend{o: o, log: o.Logger, boxes: map[string]*box{}}, nil
 }
 
 func (b *Backend) Name() string { return "cluster" }
@@ -186,7 +191,13 @@ func (b *Backend) place(ctx context.Context) (order []string, errs []error) {
 
 // Status asks the node at addr what it holds.
 func (b *Backend) Status(ctx context.Context, addr string) (Status, error) {
-	c, st, err := b.dial(ctx, addr, Open{Op: OpStatus})
+	return b.status(ctx, addr, "")
+}
+
+// status asks the node at addr what it holds, and with key (a
+// SessionKey) whether it holds that session's box.
+func (b *Backend) status(ctx context.Context, addr, key string) (Status, error) {
+	c, st, err := b.dial(ctx, addr, Open{Op: OpStatus, Key: key})
 	if err != nil {
 		return Status{}, err
 	}
@@ -237,7 +248,100 @@ func (b *Backend) createOn(ctx context.Context, addr string, spec sandbox.Spec) 
 		return nil, err
 	}
 	b.log.Debug("placed a box", "box", spec.ID, "node", addr)
-	return &box{AgentConn: conn, node: addr, run: st.Node, front: b}, nil
+	return b.track(&box{AgentConn: conn, node: addr, run: st.Node, front: b}), nil
+}
+
+func (b *Backend) track(bx *box) *box {
+	b.boxMu.Lock()
+	b.boxes[bx.ID()] = bx
+	b.boxMu.Unlock()
+	return bx
+}
+
+func (b *Backend) untrack(bx *box) {
+	b.boxMu.Lock()
+	if b.boxes[bx.ID()] == bx {
+		delete(b.boxes, bx.ID())
+	}
+	b.boxMu.Unlock()
+}
+
+// Bind binds sb, a live box of this front, to the session key on its
+// node: if this front goes without closing it, the node keeps it for its
+// orphan grace, and any front may adopt it.
+func (b *Backend) Bind(ctx context.Context, sb sandbox.Sandbox, key string) error {
+	b.boxMu.Lock()
+	bx := b.boxes[sb.ID()]
+	b.boxMu.Unlock()
+	if bx == nil {
+		return fmt.Errorf("binding box %s: not a live box of this front", sb.ID())
+	}
+	resp, err := bx.Forward(ctx, agentproto.Request{Op: agentproto.OpBind, Key: SessionKey(key)}, nil)
+	if err == nil && resp.Error != "" {
+		err = errors.New(resp.Error)
+	}
+	if err != nil {
+		return fmt.Errorf("binding box %s on node %s: %w", sb.ID(), bx.node, err)
+	}
+	bx.bound.Store(true)
+	return nil
+}
+
+// Adopt takes over the box bound to the session key on whichever node
+// holds it, from the front that holds it (alive, or gone within the
+// node's orphan grace). It asks every node at once; a node that cannot
+// be reached holds nothing this front can have.
+func (b *Backend) Adopt(ctx context.Context, key string) (sandbox.Sandbox, error) {
+	nodes, err := b.nodes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	k := SessionKey(key)
+	type answer struct {
+		i     int
+		holds bool
+	}
+	ch := make(chan answer, len(nodes))
+	for i, addr := range nodes {
+		go func() {
+			st, err := b.status(ctx, addr, k)
+			ch <- answer{i, err == nil && st.Holds}
+		}()
+	}
+	var holders []int
+	for range nodes {
+		if a := <-ch; a.holds {
+			holders = append(holders, a.i)
+		}
+	}
+	slices.Sort(holders)
+	var errs []error
+	for _, i := range holders {
+		addr := nodes[i]
+		c, st, err := b.dial(ctx, addr, Open{Op: OpAdopt, Key: k})
+		if err != nil {
+			errs = append(errs, fmt.Errorf("node %s: %w", addr, err))
+			continue
+		}
+		if !st.Holds {
+			c.Close() // adopted by another front, or expired, since it answered
+			continue
+		}
+		id := randomName("adopted-")
+		conn, err := sandbox.DialAgent(ctx, id, c, nil, &sandbox.AgentConnOptions{Logger: b.log.With("node", addr), Backend: b.Name()})
+		if err != nil {
+			errs = append(errs, fmt.Errorf("node %s: %w", addr, err))
+			continue
+		}
+		b.log.Debug("adopted a session's box", "box", id, "node", addr)
+		bx := &box{AgentConn: conn, node: addr, run: st.Node, front: b}
+		bx.bound.Store(true)
+		return b.track(bx), nil
+	}
+	if len(errs) > 0 {
+		return nil, fmt.Errorf("adopting the session's box: %w", errors.Join(errs...))
+	}
+	return nil, sandbox.ErrNoBox
 }
 
 // box is a box on a node, spoken to through the node.
@@ -247,8 +351,22 @@ type box struct {
 	run   string // the run of the node that made it (Status.Node)
 	front *Backend
 
+	bound atomic.Bool // bound to a session on its node (Bind, Adopt)
+
 	lostOnce sync.Once
 	lost     string
+}
+
+// Close destroys the box: a bound one is unbound first, so that its node
+// destroys it rather than keep it for another front.
+func (b *box) Close() error {
+	if b.bound.Swap(false) {
+		ctx, cancel := context.WithTimeout(context.Background(), b.front.o.DialTimeout)
+		b.Forward(ctx, agentproto.Request{Op: agentproto.OpUnbind}, nil)
+		cancel()
+	}
+	b.front.untrack(b)
+	return b.AgentConn.Close()
 }
 
 var (

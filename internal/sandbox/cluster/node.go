@@ -45,10 +45,21 @@ type NodeOptions struct {
 	// closed at once, so that whoever reaches the port cannot hold the
 	// node's memory with handshakes it never finishes.
 	MaxPending int
+	// OrphanGrace is how long a box bound to a session is kept after its
+	// front's connection ends without unbinding it (a front killed or cut
+	// off), for another front to adopt (default DefaultOrphanGrace; a
+	// negative value destroys it at once). It counts against MaxBoxes
+	// meanwhile.
+	OrphanGrace time.Duration
 }
 
 // DefaultMaxPending is NodeOptions.MaxPending's default.
 const DefaultMaxPending = 64
+
+// DefaultOrphanGrace is NodeOptions.OrphanGrace's default: time for a
+// client to reach another front, as twice a Kubernetes replica's Lease
+// gives on that backend.
+const DefaultOrphanGrace = time.Minute
 
 // Node serves a local backend's boxes to fronts (kiln node).
 type Node struct {
@@ -61,6 +72,7 @@ type Node struct {
 	closed bool
 	lns    map[net.Listener]struct{}
 	conns  map[net.Conn]struct{}
+	bound  map[string]*held // session key → the box bound to it
 	wg     sync.WaitGroup
 
 	pending chan struct{} // a place for each connection not yet authenticated
@@ -105,8 +117,11 @@ func NewNode(o NodeOptions) (*Node, error) {
 	if o.MaxPending <= 0 {
 		o.MaxPending = DefaultMaxPending
 	}
+	if o.OrphanGrace == 0 {
+		o.OrphanGrace = DefaultOrphanGrace
+	}
 	o.Limits = o.Limits.WithDefaults()
-	return &Node{o: o, log: o.Logger, name: randomName("run-"), lns: map[net.Listener]struct{}{}, conns: map[net.Conn]struct{}{},
+	return &Node{o: o, log: o.Logger, name: randomName("run-"), lns: map[net.Listener]struct{}{}, conns: map[net.Conn]struct{}{}, bound: map[string]*held{},
 		pending: make(chan struct{}, o.MaxPending), refusing: rate.Sometimes{Interval: time.Second}}, nil
 }
 
@@ -191,8 +206,8 @@ func (n *Node) untrack(c net.Conn) {
 	n.mu.Unlock()
 }
 
-// Close stops serving, closes every connection (destroying its box) and
-// waits for them. It does not close the backend.
+// Close stops serving, closes every connection, destroys every box (the
+// orphaned ones too) and waits for them. It does not close the backend.
 func (n *Node) Close() error {
 	n.mu.Lock()
 	n.closed = true
@@ -202,7 +217,18 @@ func (n *Node) Close() error {
 	for c := range n.conns {
 		c.Close()
 	}
+	var orphans []*held
+	for _, h := range n.bound {
+		if h.orphan != nil && h.orphan.Stop() {
+			h.orphan = nil
+			n.forgetLocked(h)
+			orphans = append(orphans, h)
+		}
+	}
 	n.mu.Unlock()
+	for _, h := range orphans {
+		n.destroy(h)
+	}
 	n.wg.Wait()
 	return nil
 }
@@ -235,21 +261,198 @@ func (n *Node) serveConn(raw net.Conn) {
 	raw.SetDeadline(time.Time{})
 	authenticated = true
 	<-n.pending
-	st := n.Status()
-	if err := agentproto.WriteFrame(tc, &st); err != nil || open.Op == OpStatus {
+	switch open.Op {
+	case OpStatus:
+		st := n.Status()
+		st.Holds = open.Key != "" && n.holds(open.Key)
+		agentproto.WriteFrame(tc, &st)
+	case OpAdopt:
+		h, att := n.adopt(open.Key)
+		st := n.Status()
+		st.Holds = h != nil
+		if err := agentproto.WriteFrame(tc, &st); err != nil || h == nil {
+			if h != nil {
+				n.letGo(h, att, endFront, log)
+			}
+			return
+		}
+		log = log.With("box", h.box.ID())
+		log.Info("a front adopted a session's box")
+		n.letGo(h, att, n.relay(tc, h, att, log), log)
+	case OpCreate:
+		st := n.Status()
+		if err := agentproto.WriteFrame(tc, &st); err != nil {
+			return
+		}
+		box, err := n.create(open)
+		if err != nil {
+			log.Warn("making a box for a front", "err", err)
+			agentproto.WriteFrame(tc, &agentproto.Hello{Version: agentproto.Version, Error: err.Error()})
+			return
+		}
+		h, att := &held{box: box}, newAttachment()
+		h.att = att
+		log = log.With("box", box.ID())
+		log.Debug("made a box for a front", "limits", open.Limits)
+		n.letGo(h, att, n.relay(tc, h, att, log), log)
+	}
+}
+
+// held is a box the node made for a front. One relay at a time serves it
+// (att). Bound to a session (key), it outlives its front's connection by
+// OrphanGrace, for another front to adopt. Its fields are guarded by the
+// node's mu.
+type held struct {
+	box    forwarder
+	key    string      // the session key it is bound to, "" for none
+	att    *attachment // the relay serving it; nil while orphaned
+	orphan *time.Timer // set while orphaned
+	gone   bool        // destroyed, or being destroyed
+}
+
+// attachment is one relay's hold on a box: stop is closed to take the box
+// from it (another front adopts it), done once it has let go.
+type attachment struct {
+	stop, done chan struct{}
+	once       sync.Once
+}
+
+func newAttachment() *attachment {
+	return &attachment{stop: make(chan struct{}), done: make(chan struct{})}
+}
+
+func (a *attachment) detach() { a.once.Do(func() { close(a.stop) }) }
+
+// end is why a relay ended.
+type end int
+
+const (
+	endFront    end = iota // the front's connection ended
+	endBox                 // the box died or broke
+	endDetached            // another front adopted the box
+)
+
+// holds says whether a box is bound to key.
+func (n *Node) holds(key string) bool {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	h := n.bound[key]
+	return h != nil && !h.gone
+}
+
+// adopt takes the box bound to key for a new relay: from its orphan
+// timer, or from the relay serving it, which it waits to let go. Of
+// adopters racing, the last one to claim it wins; nil if no box holds key.
+func (n *Node) adopt(key string) (*held, *attachment) {
+	n.mu.Lock()
+	h := n.bound[key]
+	if h == nil || h.gone || n.closed {
+		n.mu.Unlock()
+		return nil, nil
+	}
+	if h.orphan != nil {
+		if !h.orphan.Stop() {
+			n.mu.Unlock() // its grace ran out: it is being destroyed
+			return nil, nil
+		}
+		h.orphan = nil
+	}
+	old, att := h.att, newAttachment()
+	h.att = att
+	n.mu.Unlock()
+	if old != nil {
+		old.detach()
+		<-old.done
+	}
+	return h, att
+}
+
+// letGo ends att's hold on h for why: nothing more if another front
+// adopted it; a box bound to a session whose front went is kept for the
+// orphan grace; any other is destroyed.
+func (n *Node) letGo(h *held, att *attachment, why end, log *slog.Logger) {
+	defer close(att.done)
+	n.mu.Lock()
+	if h.att != att {
+		n.mu.Unlock()
+		log.Debug("another front took the box over")
 		return
 	}
-	box, err := n.create(open)
-	if err != nil {
-		log.Warn("making a box for a front", "err", err)
-		agentproto.WriteFrame(tc, &agentproto.Hello{Version: agentproto.Version, Error: err.Error()})
+	h.att = nil
+	if why == endFront && h.key != "" && !n.closed && n.o.OrphanGrace > 0 {
+		h.orphan = time.AfterFunc(n.o.OrphanGrace, func() { n.expire(h, log) })
+		n.mu.Unlock()
+		log.Info("kept a session's box whose front went, for another front to adopt", "for", n.o.OrphanGrace)
 		return
 	}
-	defer n.release()
-	log = log.With("box", box.ID())
-	log.Debug("made a box for a front", "limits", open.Limits)
-	n.relay(tc, box, log)
+	n.forgetLocked(h)
+	n.mu.Unlock()
+	n.destroy(h)
 	log.Debug("destroyed a front's box")
+}
+
+// expire destroys an orphaned box whose grace ran out.
+func (n *Node) expire(h *held, log *slog.Logger) {
+	n.mu.Lock()
+	if h.att != nil || h.gone {
+		n.mu.Unlock()
+		return
+	}
+	h.orphan = nil
+	n.forgetLocked(h)
+	n.mu.Unlock()
+	n.destroy(h)
+	log.Info("destroyed a session's box no front adopted", "after", n.o.OrphanGrace)
+}
+
+// forgetLocked marks h gone and unbinds it.
+func (n *Node) forgetLocked(h *held) {
+	h.gone = true
+	if h.key != "" && n.bound[h.key] == h {
+		delete(n.bound, h.key)
+	}
+	h.key = ""
+}
+
+func (n *Node) destroy(h *held) {
+	h.box.Close()
+	n.release()
+}
+
+// bind answers OpBind and OpUnbind for the box att serves. A box bound
+// to a key another box held takes the key over; that box, if orphaned,
+// is destroyed (its session went on in this one).
+func (n *Node) bind(h *held, att *attachment, req agentproto.Request) *agentproto.Response {
+	if req.Op == agentproto.OpBind && !validKey(req.Key) {
+		return &agentproto.Response{Error: fmt.Sprintf("a malformed session key (%d bytes)", len(req.Key))}
+	}
+	n.mu.Lock()
+	if h.att != att || h.gone {
+		n.mu.Unlock()
+		return &agentproto.Response{Error: "another front took the box over"}
+	}
+	if h.key != "" && n.bound[h.key] == h {
+		delete(n.bound, h.key)
+	}
+	h.key = ""
+	var displaced *held
+	if req.Op == agentproto.OpBind {
+		if old := n.bound[req.Key]; old != nil {
+			old.key = ""
+			if old.orphan != nil && old.orphan.Stop() {
+				old.orphan = nil
+				n.forgetLocked(old)
+				displaced = old
+			}
+		}
+		n.bound[req.Key] = h
+		h.key = req.Key
+	}
+	n.mu.Unlock()
+	if displaced != nil {
+		n.destroy(displaced)
+	}
+	return &agentproto.Response{}
 }
 
 // create makes a box within the node's limits and cap. The box counts
@@ -297,23 +500,47 @@ func randomName(prefix string) string {
 	return prefix + hex.EncodeToString(b[:])
 }
 
-// relay serves box to the front on tc until either end goes: the front's
-// requests to the box as the node's own, its answers back under the
-// front's IDs. The box is closed when relay returns.
-func (n *Node) relay(tc *tls.Conn, box forwarder, log *slog.Logger) {
+// relay serves h's box to the front on tc until either end goes or
+// another front adopts the box: the front's requests to the box as the
+// node's own, its answers back under the front's IDs. The caller lets the
+// box go (letGo) for the reason relay returns.
+func (n *Node) relay(tc *tls.Conn, h *held, att *attachment, log *slog.Logger) (why end) {
+	box := h.box
 	ctx, cancel := context.WithCancel(context.Background())
 	sem := make(chan struct{}, maxInFlight)
 	var wg sync.WaitGroup
+	var broke atomic.Bool
 	defer func() {
-		// Whichever end went, the box goes: closing it ends the
-		// requests still relayed.
+		// Whichever end went, the relay does: the requests still relayed
+		// end (the box's answers to them are dropped) before it returns.
 		cancel()
-		box.Close()
+		tc.Close()
 		wg.Wait()
+		select {
+		case <-att.stop:
+			why = endDetached
+		case <-box.Done():
+			why = endBox
+		default:
+			if broke.Load() {
+				why = endBox
+			}
+		}
+	}()
+	go func() {
+		select {
+		case <-box.Done():
+			log.Debug("the box died")
+		case <-att.stop:
+			log.Debug("another front is adopting the box")
+		case <-ctx.Done():
+		}
+		cancel()
+		tc.Close() // unblocks the writes and the reader below
 	}()
 	hello := box.Hello()
 	if err := agentproto.WriteFrame(tc, &hello); err != nil {
-		return
+		return endFront
 	}
 	// One writer puts the frames on the connection in the order they
 	// come: a request's live output before its answer. Answers wait for
@@ -332,27 +559,28 @@ func (n *Node) relay(tc *tls.Conn, box forwarder, log *slog.Logger) {
 			}
 		}
 	}()
-	go func() {
-		select {
-		case <-box.Done():
-			log.Debug("the box died")
-		case <-ctx.Done():
-		}
-		cancel()
-		tc.Close() // unblocks the reader below
-	}()
 	for {
 		var req agentproto.Request
 		if err := agentproto.ReadFrame(tc, &req); err != nil {
 			if ctx.Err() == nil && !errors.Is(err, net.ErrClosed) {
 				log.Debug("the front's connection ended", "err", err)
 			}
-			return
+			return endFront
+		}
+		if req.Op == agentproto.OpBind || req.Op == agentproto.OpUnbind {
+			resp := n.bind(h, att, req)
+			resp.ID = req.ID
+			select {
+			case frames <- resp:
+			case <-ctx.Done():
+				return endFront
+			}
+			continue
 		}
 		select {
 		case sem <- struct{}{}:
 		case <-ctx.Done():
-			return
+			return endFront
 		}
 		wg.Add(1)
 		go func() {
@@ -375,8 +603,9 @@ func (n *Node) relay(tc *tls.Conn, box forwarder, log *slog.Logger) {
 			if err != nil {
 				if ctx.Err() == nil {
 					log.Warn("relaying a request", "op", req.Op, "err", err)
+					broke.Store(true) // the box is gone or broke: so is the connection
 				}
-				cancel() // the box is gone or broke: so is the connection
+				cancel()
 				return
 			}
 			resp.ID = id

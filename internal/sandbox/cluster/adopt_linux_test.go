@@ -1,0 +1,193 @@
+package cluster_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"kiln/internal/sandbox"
+	"kiln/internal/sandbox/cluster"
+	"kiln/internal/session"
+)
+
+// printed runs code in box and returns its stdout, trimmed.
+func printed(t *testing.T, ctx context.Context, box sandbox.Sandbox, code string) string {
+	t.Helper()
+	res, err := box.RunPython(ctx, code, sandbox.ExecOptions{})
+	if err != nil {
+		t.Fatalf("%s: %v", code, err)
+	}
+	return strings.TrimSpace(res.Stdout.Text)
+}
+
+// TestAdopt: a box bound to a session is taken over by another front, from
+// a live front or from one that went without closing it (within the
+// node's orphan grace), kernel state kept; a box closed on purpose, an
+// unbound box whose front went, and an orphan whose grace ran out are
+// destroyed, and no front adopts them.
+func TestAdopt(t *testing.T) {
+	dir := certs(t)
+	const grace = 2 * time.Second
+	addr, n := startNode(t, dir, cluster.NodeOptions{OrphanGrace: grace})
+	fa, fb := front(t, dir, addr), front(t, dir, addr)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	const key = "alice\x00s"
+
+	a, err := fa.Create(ctx, sandbox.Spec{ID: "a"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	if err := fa.Bind(ctx, a, key); err != nil {
+		t.Fatal(err)
+	}
+	printed(t, ctx, a, "x = 41")
+	// Control: another key, another principal's session of the same
+	// name, holds no box.
+	for _, other := range []string{"alice\x00t", "bob\x00s"} {
+		if box, err := fb.Adopt(ctx, other); !errors.Is(err, sandbox.ErrNoBox) {
+			t.Fatalf("adopting %q, bound to no box: %v %v", other, box, err)
+		}
+	}
+
+	// From a live front: the first front's connection is closed.
+	b, err := fb.Adopt(ctx, key)
+	if err != nil {
+		t.Fatalf("adopting from a live front: %v", err)
+	}
+	if got := printed(t, ctx, b, "x += 1; print(x)"); got != "42" {
+		t.Fatalf("the adopted box printed %q, want 42: its kernel was not kept", got)
+	}
+	waitFor(t, func() bool { return !alive(a) })
+	if st := n.Status(); st.Boxes != 1 {
+		t.Fatalf("the node counts %d boxes after an adoption, want 1", st.Boxes)
+	}
+
+	// From a front that went: the box waits for the next.
+	cluster.Abandon(b)
+	waitFor(t, func() bool { return !alive(b) })
+	time.Sleep(200 * time.Millisecond)
+	if st := n.Status(); st.Boxes != 1 {
+		t.Fatalf("the node counts %d boxes once the front went, want 1 (kept for adoption)", st.Boxes)
+	}
+	c, err := fa.Adopt(ctx, key)
+	if err != nil {
+		t.Fatalf("adopting an orphan: %v", err)
+	}
+	if got := printed(t, ctx, c, "print(x)"); got != "42" {
+		t.Fatalf("the orphan printed %q, want 42", got)
+	}
+
+	// Closed on purpose: destroyed at once, for no one to adopt.
+	c.Close()
+	waitFor(t, func() bool { return n.Status().Boxes == 0 })
+	if box, err := fb.Adopt(ctx, key); !errors.Is(err, sandbox.ErrNoBox) {
+		t.Fatalf("adopting a box its front closed: %v %v", box, err)
+	}
+
+	// Unbound, its front gone: destroyed at once (per-call and pool boxes).
+	u, err := fa.Create(ctx, sandbox.Spec{ID: "u"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cluster.Abandon(u)
+	waitFor(t, func() bool { return n.Status().Boxes == 0 })
+
+	// An orphan no front adopts is destroyed after the grace.
+	o, err := fa.Create(ctx, sandbox.Spec{ID: "o"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := fa.Bind(ctx, o, key); err != nil {
+		t.Fatal(err)
+	}
+	cluster.Abandon(o)
+	gone := time.Now()
+	time.Sleep(grace / 2)
+	if st := n.Status(); st.Boxes != 1 {
+		t.Fatalf("the orphan went before its grace: %d boxes", st.Boxes)
+	}
+	waitFor(t, func() bool { return n.Status().Boxes == 0 })
+	t.Logf("the orphan was destroyed %s after its front went (grace %s)", time.Since(gone).Round(100*time.Millisecond), grace)
+	if box, err := fb.Adopt(ctx, key); !errors.Is(err, sandbox.ErrNoBox) {
+		t.Fatalf("adopting an expired orphan: %v %v", box, err)
+	}
+	if left := localJail(t).Leftovers(); len(left) > 0 {
+		t.Errorf("the jail holds %v", left)
+	}
+}
+
+// TestBindRefused: a bind with a malformed key is refused and binds
+// nothing; an adopt with one is refused before anything is looked up.
+func TestBindRefused(t *testing.T) {
+	dir := certs(t)
+	addr, n := startNode(t, dir, cluster.NodeOptions{OrphanGrace: time.Minute})
+	f := front(t, dir, addr)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	box, err := f.Create(ctx, sandbox.Spec{ID: "k"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{"", "zz", strings.Repeat("A", 64), strings.Repeat("a", 65)} {
+		if err := cluster.BindRaw(ctx, box, k); err == nil {
+			t.Errorf("a bind to %q was taken", k)
+		}
+	}
+	cluster.Abandon(box)
+	waitFor(t, func() bool { return n.Status().Boxes == 0 })
+	if err := cluster.OpenRaw(ctx, f, addr, cluster.Open{Op: cluster.OpAdopt, Key: "../x"}); err == nil {
+		t.Error("an adopt with a malformed key was answered")
+	}
+	if err := cluster.OpenRaw(ctx, f, addr, cluster.Open{Op: cluster.OpAdopt}); err == nil {
+		t.Error("an adopt with no key was answered")
+	}
+	// Control: a well-formed one is answered (it holds nothing).
+	if err := cluster.OpenRaw(ctx, f, addr, cluster.Open{Op: cluster.OpAdopt, Key: cluster.SessionKey("x")}); err != nil {
+		t.Errorf("control: a well-formed adopt: %v", err)
+	}
+}
+
+// TestSessionFollowsFront: a session goes on through whichever front its
+// client reaches, in the same kernel, and back; another principal's
+// session of the same name is not it.
+func TestSessionFollowsFront(t *testing.T) {
+	dir := certs(t)
+	a, _ := startNode(t, dir, cluster.NodeOptions{})
+	b, _ := startNode(t, dir, cluster.NodeOptions{})
+	mgrs := make([]*session.Manager, 2)
+	for i := range mgrs {
+		mgrs[i] = session.NewManager(session.Options{Backend: front(t, dir, a, b)})
+		defer mgrs[i].Close()
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	run := func(m *session.Manager, principal, code string) *session.Outcome {
+		t.Helper()
+		s, err := m.Get(principal, "s")
+		if err != nil {
+			t.Fatal(err)
+		}
+		out, err := s.RunPython(ctx, code, time.Minute)
+		if err != nil {
+			t.Fatalf("%s: %v", code, err)
+		}
+		return out
+	}
+	run(mgrs[0], "alice", "x = 6")
+	for i, want := range []string{"42", "43", "44"} {
+		out := run(mgrs[(i+1)%2], "alice", "x = x * 7 if x == 6 else x + 1; x")
+		if got := out.Result["text/plain"]; got != want {
+			t.Fatalf("call %d, on front %d: x is %q (%q, %q), want %s", i+2, (i+1)%2, got, out.Stderr.Text, out.Note, want)
+		}
+		if out.Note != "" || out.Restarted {
+			t.Errorf("call %d: restarted %v, note %q", i+2, out.Restarted, out.Note)
+		}
+	}
+	if out := run(mgrs[1], "bob", "globals().get('x')"); out.Result["text/plain"] != "" && out.Result["text/plain"] != "None" {
+		t.Errorf("another principal's session of the same name sees x = %q", out.Result["text/plain"])
+	}
+}
