@@ -3,6 +3,7 @@ package cluster_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -189,5 +190,79 @@ func TestSessionFollowsFront(t *testing.T) {
 	}
 	if out := run(mgrs[1], "bob", "globals().get('x')"); out.Result["text/plain"] != "" && out.Result["text/plain"] != "None" {
 		t.Errorf("another principal's session of the same name sees x = %q", out.Result["text/plain"])
+	}
+}
+
+// noAdopt hides the cluster backend's Adopter, as before sessions
+// followed their client: the baseline of BenchmarkSessionStart.
+type noAdopt struct{ sandbox.Backend }
+
+// BenchmarkSessionStart is a new session's first call through a front on
+// two nodes, with a pool of ready boxes: with adoption the front first
+// asks both nodes whether they hold the session's box (they do not), and
+// binds the box it takes; without it, it does neither.
+func BenchmarkSessionStart(b *testing.B) {
+	for _, c := range []struct {
+		name  string
+		adopt bool
+	}{{"adopt", true}, {"no-adopt", false}} {
+		b.Run(c.name, func(b *testing.B) {
+			dir := certs(b)
+			x, _ := startNode(b, dir, cluster.NodeOptions{MaxBoxes: 16})
+			y, _ := startNode(b, dir, cluster.NodeOptions{MaxBoxes: 16})
+			var backend sandbox.Backend = front(b, dir, x, y)
+			if !c.adopt {
+				backend = noAdopt{backend}
+			}
+			mgr := session.NewManager(session.Options{Backend: backend, PoolSize: 2})
+			defer mgr.Close()
+			ctx := context.Background()
+			b.ResetTimer()
+			for i := range b.N {
+				b.StopTimer()
+				time.Sleep(100 * time.Millisecond) // the pool refills
+				s, err := mgr.Get("bench", fmt.Sprint("s", i))
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.StartTimer()
+				if _, err := s.RunPython(ctx, "1", time.Minute); err != nil {
+					b.Fatal(err)
+				}
+				b.StopTimer()
+				if !mgr.Reset("bench", fmt.Sprint("s", i)) {
+					b.Fatal("no session to reset")
+				}
+				b.StartTimer()
+			}
+		})
+	}
+}
+
+// BenchmarkStatus is one status round trip to a node, a new TLS
+// connection each: resuming the node's TLS session (the front's default)
+// against a full handshake, in the same run.
+func BenchmarkStatus(b *testing.B) {
+	dir := certs(b)
+	addr, _ := startNode(b, dir, cluster.NodeOptions{})
+	for _, resume := range []bool{true, false} {
+		b.Run(fmt.Sprintf("resume=%v", resume), func(b *testing.B) {
+			cfg, err := cluster.FrontTLS(dir)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if !resume {
+				cfg.ClientSessionCache = nil
+			}
+			f, err := cluster.New(cluster.Options{Nodes: []string{addr}, TLS: cfg})
+			if err != nil {
+				b.Fatal(err)
+			}
+			for b.Loop() {
+				if _, err := f.Status(context.Background(), addr); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
 	}
 }

@@ -37,7 +37,7 @@ var (
 // localJail is one jail backend the test nodes share, as the boxes of two
 // nodes on one host would share its kernel. Tests that need it skip where
 // the jail does not run.
-func localJail(t *testing.T) *jail.Backend {
+func localJail(t testing.TB) *jail.Backend {
 	t.Helper()
 	if os.Getuid() != 0 {
 		t.Skip("the cluster tests serve jail boxes, which need root here (the rootless jail is tested on the field host)")
@@ -51,7 +51,7 @@ func localJail(t *testing.T) *jail.Backend {
 }
 
 // certs writes a certificate directory for the test.
-func certs(t *testing.T) string {
+func certs(t testing.TB) string {
 	t.Helper()
 	dir := filepath.Join(t.TempDir(), "certs")
 	if err := cluster.WriteCerts(dir, time.Hour); err != nil {
@@ -63,7 +63,7 @@ func certs(t *testing.T) string {
 // startNode serves a node on a loopback port and returns its address.
 // With at, it listens there (retrying a while: another run may still
 // hold the port).
-func startNode(t *testing.T, dir string, o cluster.NodeOptions, at ...string) (string, *cluster.Node) {
+func startNode(t testing.TB, dir string, o cluster.NodeOptions, at ...string) (string, *cluster.Node) {
 	t.Helper()
 	if o.Backend == nil {
 		o.Backend = localJail(t)
@@ -105,7 +105,7 @@ func startNode(t *testing.T, dir string, o cluster.NodeOptions, at ...string) (s
 	return ln.Addr().String(), n
 }
 
-func front(t *testing.T, dir string, nodes ...string) *cluster.Backend {
+func front(t testing.TB, dir string, nodes ...string) *cluster.Backend {
 	t.Helper()
 	cfg, err := cluster.FrontTLS(dir)
 	if err != nil {
