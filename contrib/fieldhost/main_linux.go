@@ -27,6 +27,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -135,41 +136,84 @@ func run(ctx context.Context, log *slog.Logger, buildOnly bool, only, out, accel
 		return err
 	}
 	defer os.RemoveAll(work)
-	disk := filepath.Join(work, "tests.ext4")
-	if err := testDisk(ctx, log, work, disk, picked); err != nil {
-		return fmt.Errorf("making the test disk: %w", err)
+	root := filepath.Join(work, "disk")
+	if err := buildTests(ctx, log, root); err != nil {
+		return fmt.Errorf("building the suites: %w", err)
 	}
 	if accel == "auto" {
 		var why string
 		accel, why = probeAccel(ctx, fh)
 		log.Info("accelerator", "accel", accel, "why", why)
 	}
-	if err := os.MkdirAll(out, 0o755); err != nil {
-		return err
-	}
-	var budget time.Duration
-	for _, s := range picked {
-		budget += s.timeout + 15*time.Second
-	}
-	budget += 10 * time.Minute // boot and power-off, under TCG
-	bootStart := time.Now()
-	// The results are read whatever the VM's end: a suite that hung
-	// still leaves the others' results on the disk.
-	bootErr := boot(ctx, log, fh, disk, accel, mem, cpus, budget, filepath.Join(out, "console.log"))
-	log.Info("VM stopped", "took", time.Since(bootStart).Round(time.Second), "err", bootErr)
 	res := filepath.Join(out, "results")
 	os.RemoveAll(res)
-	if err := exec.CommandContext(context.WithoutCancel(ctx), "debugfs", "-R", "rdump /results "+out, disk).Run(); err != nil {
-		return errors.Join(bootErr, fmt.Errorf("reading the results from the test disk: %w", err))
+	if err := os.MkdirAll(res, 0o755); err != nil {
+		return err
+	}
+	// A guest that hangs (its runner silent, or a suite its timeout does
+	// not end) is booted once more for the suites it did not finish: the
+	// hang is printed, with the console's tail, and a suite that hangs
+	// again fails the run.
+	todo := picked
+	var bootErr error
+	for attempt := 1; ; attempt++ {
+		bootErr = bootOnce(ctx, log, fh, root, filepath.Join(work, fmt.Sprintf("tests-%d.ext4", attempt)), accel, mem, cpus, todo, out, res)
+		if !errors.Is(bootErr, errHung) || attempt == 2 {
+			break
+		}
+		todo = slices.DeleteFunc(slices.Clone(todo), func(s suite) bool {
+			_, err := os.Stat(filepath.Join(res, s.name+".rc"))
+			return err == nil
+		})
+		if len(todo) == 0 {
+			break
+		}
+		log.Warn("the guest hung: booting a new one for the suites it did not finish", "hang", bootErr, "suites", len(todo))
 	}
 	return errors.Join(bootErr, report(log, res, picked, accel))
 }
 
-// testDisk builds the suites' binaries into dir and packs them, the
-// guest's scripts, the systemd unit and the suites file into an ext4
-// image labelled image.FieldHostTestLabel, with room for results.
-func testDisk(ctx context.Context, log *slog.Logger, work, disk string, picked []suite) error {
-	root := filepath.Join(work, "disk")
+// bootOnce packs todo's suites on disk, boots the VM, and copies the
+// results it left into res. The results are read whatever the VM's end:
+// a suite that hung still leaves the others' results on the disk.
+func bootOnce(ctx context.Context, log *slog.Logger, fh *image.FieldHost, root, disk, accel string, mem, cpus int, todo []suite, out, res string) error {
+	if err := packTests(ctx, root, disk, todo); err != nil {
+		return fmt.Errorf("making the test disk: %w", err)
+	}
+	var budget time.Duration
+	for _, s := range todo {
+		budget += s.timeout + 15*time.Second
+	}
+	budget += 10 * time.Minute // boot and power-off, under TCG
+	bootStart := time.Now()
+	console := filepath.Join(out, "console.log")
+	bootErr := boot(ctx, log, fh, disk, accel, mem, cpus, budget, todo, console)
+	log.Info("VM stopped", "took", time.Since(bootStart).Round(time.Second), "err", bootErr)
+	if bootErr != nil {
+		// CI keeps only this output: what the guest said last.
+		tail(console, 80)
+	}
+	dump := filepath.Join(filepath.Dir(disk), strings.TrimSuffix(filepath.Base(disk), ".ext4"))
+	if err := os.MkdirAll(dump, 0o755); err != nil {
+		return err
+	}
+	if err := exec.CommandContext(context.WithoutCancel(ctx), "debugfs", "-R", "rdump /results "+dump, disk).Run(); err != nil {
+		return errors.Join(bootErr, fmt.Errorf("reading the results from the test disk: %w", err))
+	}
+	files, err := os.ReadDir(filepath.Join(dump, "results"))
+	if err != nil {
+		return errors.Join(bootErr, err)
+	}
+	for _, f := range files {
+		if err := os.Rename(filepath.Join(dump, "results", f.Name()), filepath.Join(res, f.Name())); err != nil {
+			return errors.Join(bootErr, err)
+		}
+	}
+	return bootErr
+}
+
+// buildTests builds the suites' binaries into root, static.
+func buildTests(ctx context.Context, log *slog.Logger, root string) error {
 	if err := os.MkdirAll(filepath.Join(root, "bin"), 0o755); err != nil {
 		return err
 	}
@@ -186,6 +230,13 @@ func testDisk(ctx context.Context, log *slog.Logger, work, disk string, picked [
 		}
 		log.Info("built", "cmd", strings.Join(c[:3], " "), "took", time.Since(t).Round(time.Millisecond))
 	}
+	return nil
+}
+
+// packTests packs root's binaries, the guest's scripts, the systemd unit
+// and a suites file of picked into an ext4 image labelled
+// image.FieldHostTestLabel, with room for results.
+func packTests(ctx context.Context, root, disk string, picked []suite) error {
 	for _, name := range []string{"run", "systemd-unit"} {
 		b, err := guestFiles.ReadFile("guest/" + name)
 		if err != nil {
@@ -211,6 +262,9 @@ func testDisk(ctx context.Context, log *slog.Logger, work, disk string, picked [
 	}
 	// The results directory is written by root's runner; the user's
 	// suite's output reaches it through the runner's redirection.
+	if err := os.RemoveAll(filepath.Join(root, "results")); err != nil {
+		return err
+	}
 	if err := os.Mkdir(filepath.Join(root, "results"), 0o755); err != nil {
 		return err
 	}
@@ -264,13 +318,17 @@ func probeAccel(ctx context.Context, fh *image.FieldHost) (accel, why string) {
 
 // boot runs the VM until it powers off, copying its console to console
 // and its "fieldhost:" lines to the log.
-func boot(ctx context.Context, log *slog.Logger, fh *image.FieldHost, disk, accel string, mem, cpus int, budget time.Duration, console string) error {
+func boot(ctx context.Context, log *slog.Logger, fh *image.FieldHost, disk, accel string, mem, cpus int, budget time.Duration, picked []suite, console string) error {
 	cpu := "max"
 	if accel == "kvm" {
 		cpu = "host"
 	}
 	ctx, cancel := context.WithTimeout(ctx, budget)
 	defer cancel()
+	ctx, hung := context.WithCancelCause(ctx)
+	defer hung(nil)
+	dog := newWatchdog(picked)
+	go dog.watch(ctx, hung)
 	args := []string{
 		"-machine", "q35,accel=" + accel, "-cpu", cpu, "-smp", strconv.Itoa(cpus), "-m", strconv.Itoa(mem),
 		"-display", "none", "-no-reboot", "-nic", "none", "-monitor", "none", "-serial", "stdio",
@@ -302,6 +360,7 @@ func boot(ctx context.Context, log *slog.Logger, fh *image.FieldHost, disk, acce
 			fmt.Fprintln(cons, line)
 			if i := strings.Index(line, "fieldhost: "); i >= 0 {
 				fmt.Fprintln(os.Stderr, line[i:])
+				dog.heard(line[i+len("fieldhost: "):], time.Now())
 			}
 		}
 		io.Copy(io.Discard, pr)
@@ -309,6 +368,9 @@ func boot(ctx context.Context, log *slog.Logger, fh *image.FieldHost, disk, acce
 	err = cmd.Wait()
 	pw.Close()
 	<-done
+	if cause := context.Cause(ctx); errors.Is(cause, errHung) {
+		return fmt.Errorf("%w (console: %s)", cause, console)
+	}
 	if ctx.Err() != nil {
 		return fmt.Errorf("the VM ran past its budget of %s (console: %s)", budget, console)
 	}
@@ -331,6 +393,13 @@ func report(log *slog.Logger, res string, picked []suite, accel string) error {
 	for _, s := range picked {
 		rcb, err := os.ReadFile(filepath.Join(res, s.name+".rc"))
 		if err != nil {
+			if _, err := os.Stat(filepath.Join(res, s.name+".log")); err == nil {
+				// Started and never ended: where it stopped.
+				tail(filepath.Join(res, s.name+".log"), 60)
+				fmt.Fprintf(os.Stderr, "fieldhost: %-22s NOT FINISHED\n", s.name)
+				failed = append(failed, s.name)
+				continue
+			}
 			fmt.Fprintf(os.Stderr, "fieldhost: %-22s NOT RUN\n", s.name)
 			failed = append(failed, s.name)
 			continue
@@ -368,4 +437,88 @@ func tail(path string, n int) {
 		lines = lines[len(lines)-n:]
 	}
 	fmt.Fprintf(os.Stderr, "--- %s (last %d lines)\n%s\n---\n", path, len(lines), strings.Join(lines, "\n"))
+}
+
+// errHung is the watchdog's verdict: the guest stopped answering.
+var errHung = errors.New("the guest hung")
+
+// Watchdog limits: the guest's runner says something at least every
+// heartbeat (guest/run), and a suite's timeout kills it within grace.
+const (
+	heartbeat = time.Minute
+	silence   = 5 * heartbeat
+	grace     = 3 * time.Minute
+)
+
+// watchdog stops a VM whose guest hangs, long before the whole budget: a
+// console silent for silence once the runner has spoken, or a suite that
+// outlives its timeout by grace (its processes would not die). Either way
+// the guest is stuck, and waiting on gains nothing but CI time.
+type watchdog struct {
+	timeouts map[string]time.Duration
+
+	mu      sync.Mutex
+	last    time.Time // the runner's last line; zero before its first
+	suite   string    // the suite running, if any
+	started time.Time
+}
+
+func newWatchdog(picked []suite) *watchdog {
+	d := &watchdog{timeouts: map[string]time.Duration{}}
+	for _, s := range picked {
+		d.timeouts[s.name] = s.timeout
+	}
+	return d
+}
+
+// heard takes one of the runner's lines (without its "fieldhost: ").
+func (d *watchdog) heard(line string, now time.Time) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.last = now
+	rest, ok := strings.CutPrefix(line, "suite ")
+	if !ok {
+		return
+	}
+	name, how, _ := strings.Cut(rest, " ")
+	switch {
+	case strings.HasSuffix(how, ": started"):
+		d.suite, d.started = name, now
+	case strings.HasPrefix(how, "exit "):
+		d.suite = ""
+	}
+}
+
+// verdict is why the guest counts as hung at now, or "".
+func (d *watchdog) verdict(now time.Time) string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.last.IsZero() {
+		return ""
+	}
+	if quiet := now.Sub(d.last); quiet > silence {
+		return fmt.Sprintf("its runner said nothing for %s (it speaks every %s)", quiet.Round(time.Second), heartbeat)
+	}
+	if d.suite != "" {
+		if ran, tmo := now.Sub(d.started), d.timeouts[d.suite]; tmo > 0 && ran > tmo+grace {
+			return fmt.Sprintf("suite %s ran %s, past its timeout of %s and %s more for its kill", d.suite, ran.Round(time.Second), tmo, grace)
+		}
+	}
+	return ""
+}
+
+func (d *watchdog) watch(ctx context.Context, hung context.CancelCauseFunc) {
+	t := time.NewTicker(10 * time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case now := <-t.C:
+			if why := d.verdict(now); why != "" {
+				hung(fmt.Errorf("%w: %s", errHung, why))
+				return
+			}
+		}
+	}
 }
