@@ -173,6 +173,22 @@ func TestSessionLedger(t *testing.T) {
 		t.Error("after front a closed, its sessions still count")
 	}
 
+	// A session listed by two fronts (its client took it from one to the
+	// other) counts once: at a quota of 1, the second front may go on
+	// with it, and not start another.
+	m := "moved"
+	if !d.admit(t, m, "s", 1) {
+		t.Fatal(`"moved"'s first session was refused`)
+	}
+	b2 := newTestFront(t, c, ns, "b2")
+	defer b2.Close()
+	if !b2.admit(t, m, "s", 1) {
+		t.Errorf("the same session, taken over by another front, was refused at a quota of 1: %v", recorded(t, c, ns, m))
+	}
+	if b2.admit(t, m, "t", 1) {
+		t.Errorf("a second session was admitted at a quota of 1: %v", recorded(t, c, ns, m))
+	}
+
 	// A front that dies (stops renewing, deletes nothing) stops counting
 	// once its Lease lapses.
 	e := newTestFront(t, c, ns, "e")

@@ -57,7 +57,7 @@ func manifest(t *testing.T, name string) []runtime.Object {
 // TestManifestsParse reads every manifest of contrib/kubernetes as the API's
 // own types: a field the API does not know fails here, not at apply time.
 func TestManifestsParse(t *testing.T) {
-	for _, n := range []string{"namespace.yaml", "rbac.yaml", "runtimeclass.yaml", "networkpolicy.yaml", "deployment.yaml", "node.yaml"} {
+	for _, n := range []string{"namespace.yaml", "rbac.yaml", "runtimeclass.yaml", "networkpolicy.yaml", "deployment.yaml", "node.yaml", "front.yaml"} {
 		if objs := manifest(t, n); len(objs) == 0 {
 			t.Errorf("%s: no object", n)
 		}

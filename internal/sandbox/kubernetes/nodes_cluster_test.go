@@ -35,7 +35,8 @@ import (
 // whole conformance suite, hostile battery included, through them. Then a
 // node's Pod is killed under a box: the box says its node was lost, and
 // the next box goes to the other node. A node's Pod deleted the ordinary
-// way deletes its Lease as it goes.
+// way deletes its Lease as it goes. Between, contrib/kubernetes/front.yaml
+// runs a front Pod on the nodes (testFrontDeployment).
 func TestNodeDaemonSet(t *testing.T) {
 	c := needCluster(t)
 	img := c.nodeImage(t)
@@ -145,6 +146,9 @@ func TestNodeDaemonSet(t *testing.T) {
 
 	t.Run("conformance", func(t *testing.T) {
 		sandboxtest.RunWith(t, front, sandboxtest.Options{HostProcesses: true})
+	})
+	t.Run("front Deployment", func(t *testing.T) {
+		testFrontDeployment(t, c, ns, img, certs, c.apiServer(t))
 	})
 
 	// A node's Pod killed under a box.
