@@ -5,7 +5,7 @@
 // with SIGKILL under a live session, which resumes on the other node from
 // its last checkpoint and says what was lost, and a front is killed with
 // SIGKILL under a live session, which another front goes on with in the
-// same box.
+// same box, and so does a third after the second stops with SIGTERM.
 //
 // Both nodes run on one host, kept apart as two processes with their own
 // listeners and boxes; two machines are not to be had here.
@@ -157,11 +157,30 @@ describe('cluster: a front replica killed under a live session', { skip }, () =>
       await bob.close();
       await conn.close();
     } finally {
+      // SIGTERM, as a rolling update stops a replica.
       await second.stop();
     }
-    // A front that stops the ordinary way closes its boxes: none is kept.
-    for (let i = 0; made() !== destroyed(); i++) {
-      assert.ok(i < 200, `the nodes still hold ${made() - destroyed()} box(es) of a front that stopped`);
+    // A front that stops the ordinary way leaves its sessions' boxes for
+    // the next (bob's too), and destroys the rest.
+    const kept = () => (logs().match(/kept a session's box whose front went/g) || []).length;
+    for (let i = 0; kept() < 3; i++) {
+      assert.ok(i < 200, `the nodes kept ${kept() - 1} of the stopped front's 2 session boxes:\n${logs()}`);
+      await sleep(50);
+    }
+    assert.equal(made() - destroyed(), 2, 'the two sessions\' boxes are still on their nodes');
+    const third = await startHTTP({ flags });
+    try {
+      const conn = await connectHTTP(third.url, 'cluster-token-of-alice');
+      const t = ok(await call(conn.client, 'run_python', { session: 'f', code: 'print(x + 2)' }));
+      assert.match(t, /^43$/m, `${t}\nthe third front's log:\n${third.log()}`);
+      // A session reset on purpose is destroyed at once.
+      ok(await call(conn.client, 'reset_session', { session: 'f' }));
+      await conn.close();
+    } finally {
+      await third.stop();
+    }
+    for (let i = 0; made() - destroyed() !== 1; i++) {
+      assert.ok(i < 200, `the nodes hold ${made() - destroyed()} box(es), want 1 (bob's, till its grace)`);
       await sleep(50);
     }
   });

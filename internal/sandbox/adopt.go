@@ -23,3 +23,16 @@ type Adopter interface {
 	// whichever process holds it, or ErrNoBox.
 	Adopt(ctx context.Context, key string) (Sandbox, error)
 }
+
+// Releaser is implemented by an Adopter whose boxes can be let go of
+// alive (the cluster backend: its nodes keep a bound box whose front went
+// for their orphan grace). When the server stops the ordinary way (a
+// rolling update, SIGTERM), the session layer releases each session's
+// box instead of destroying it, so another replica adopts it and the
+// session goes on. A released box's Close only lets go of it.
+type Releaser interface {
+	// Release marks box (found by its ID) to be left to whoever adopts
+	// it when it is closed. It fails for a box not bound to a session,
+	// which Close then destroys as ever.
+	Release(box Sandbox) error
+}

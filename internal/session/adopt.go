@@ -51,3 +51,23 @@ func (m *Manager) bind(ctx context.Context, s *Session, box sandbox.Sandbox) {
 		}
 	}
 }
+
+// release leaves s's live box, at shutdown, to the replica that adopts it
+// next (sandbox.Releaser), rather than destroy it with s.
+func (m *Manager) release(s *Session) {
+	r, ok := m.opts.Backend.(sandbox.Releaser)
+	if !ok {
+		return
+	}
+	s.mu.Lock()
+	box := s.box
+	s.mu.Unlock()
+	if box == nil || !alive(box) {
+		return
+	}
+	if err := r.Release(box); err != nil {
+		m.log.Debug("a session's box is destroyed at shutdown, not left for another replica", "session", s.name, "err", err)
+		return
+	}
+	m.log.Debug("a session's box is left for another replica at shutdown", "session", s.name, "box", box.ID())
+}

@@ -384,7 +384,7 @@ func (m *Manager) Close() {
 	for _, s := range all {
 		m.observeSession(event.SessionClose, s)
 		wg.Add(1)
-		go func() { defer wg.Done(); s.close() }()
+		go func() { defer wg.Done(); m.release(s); s.close() }()
 	}
 	wg.Wait()
 	m.pool.Close()

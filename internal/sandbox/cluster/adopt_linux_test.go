@@ -266,3 +266,47 @@ func BenchmarkStatus(b *testing.B) {
 		})
 	}
 }
+
+// TestHandOver: a front that stops the ordinary way (SIGTERM: a rolling
+// update) leaves its sessions' boxes on their nodes for another front to
+// adopt, rather than destroy them; its per-call boxes it destroys as
+// before. A box nobody adopts goes at the node's orphan grace.
+func TestHandOver(t *testing.T) {
+	dir := certs(t)
+	a, na := startNode(t, dir, cluster.NodeOptions{OrphanGrace: time.Minute})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	run := func(m *session.Manager, principal, code string) *session.Outcome {
+		t.Helper()
+		s, err := m.Get(principal, "s")
+		if err != nil {
+			t.Fatal(err)
+		}
+		out, err := s.RunPython(ctx, code, time.Minute)
+		if err != nil {
+			t.Fatalf("%s: %v", code, err)
+		}
+		return out
+	}
+	first := session.NewManager(session.Options{Backend: front(t, dir, a)})
+	run(first, "alice", "x = 41")
+	if _, _, err := first.RunOnce(ctx, session.Python, "print('per call')", nil, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	first.Close()
+	// The node ends a box whose front let go of it as it notices.
+	deadline := time.Now().Add(10 * time.Second)
+	for na.Status().Boxes > 1 && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if n := na.Status().Boxes; n != 1 {
+		t.Errorf("after the first front stopped, its node holds %d boxes, want 1 (the session's)", n)
+	}
+
+	second := session.NewManager(session.Options{Backend: front(t, dir, a)})
+	defer second.Close()
+	out := run(second, "alice", "x + 1")
+	if got := out.Result["text/plain"]; got != "42" || out.Note != "" {
+		t.Fatalf("after a graceful stop of the session's front, the next front found x = %q (note %q, stderr %q), want 42", got, out.Note, out.Stderr.Text)
+	}
+}

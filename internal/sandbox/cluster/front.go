@@ -51,10 +51,11 @@ type Backend struct {
 }
 
 var (
-	_ sandbox.Backend = (*Backend)(nil)
-	_ sandbox.Checker = (*Backend)(nil)
-	_ sandbox.Noter   = (*Backend)(nil)
-	_ sandbox.Adopter = (*Backend)(nil)
+	_ sandbox.Backend  = (*Backend)(nil)
+	_ sandbox.Checker  = (*Backend)(nil)
+	_ sandbox.Noter    = (*Backend)(nil)
+	_ sandbox.Adopter  = (*Backend)(nil)
+	_ sandbox.Releaser = (*Backend)(nil)
 )
 
 // New returns the cluster backend over o.Nodes.
@@ -287,6 +288,20 @@ func (b *Backend) Bind(ctx context.Context, sb sandbox.Sandbox, key string) erro
 	return nil
 }
 
+// Release leaves sb, a live box of this front bound to a session, on its
+// node when it is closed: the node keeps it for its orphan grace, for
+// another front to adopt.
+func (b *Backend) Release(sb sandbox.Sandbox) error {
+	b.boxMu.Lock()
+	bx := b.boxes[sb.ID()]
+	b.boxMu.Unlock()
+	if bx == nil || !bx.bound.Load() {
+		return fmt.Errorf("releasing box %s: not a live box of this front bound to a session", sb.ID())
+	}
+	bx.released.Store(true)
+	return nil
+}
+
 // Adopt takes over the box bound to the session key on whichever node
 // holds it, from the front that holds it (alive, or gone within the
 // node's orphan grace). It asks every node at once; a node that cannot
@@ -351,16 +366,18 @@ type box struct {
 	run   string // the run of the node that made it (Status.Node)
 	front *Backend
 
-	bound atomic.Bool // bound to a session on its node (Bind, Adopt)
+	bound    atomic.Bool // bound to a session on its node (Bind, Adopt)
+	released atomic.Bool // left bound at Close, for another front (Release)
 
 	lostOnce sync.Once
 	lost     string
 }
 
 // Close destroys the box: a bound one is unbound first, so that its node
-// destroys it rather than keep it for another front.
+// destroys it rather than keep it for another front. A released one
+// stays bound: the node keeps it for another front.
 func (b *box) Close() error {
-	if b.bound.Swap(false) {
+	if b.bound.Swap(false) && !b.released.Load() {
 		ctx, cancel := context.WithTimeout(context.Background(), b.front.o.DialTimeout)
 		b.Forward(ctx, agentproto.Request{Op: agentproto.OpUnbind}, nil)
 		cancel()

@@ -26,7 +26,8 @@ const frontPort = 18080
 // node DaemonSets there: a front Pod that finds the nodes by their Leases
 // and counts sessions in ns. A real MCP client starts a session through
 // it; the front's process is killed with SIGKILL, the kubelet restarts
-// it, and the session goes on in its box with its variable. As shipped,
+// it, and the session goes on in its box with its variable; then the
+// front's Pod is deleted (SIGTERM), and it goes on through the next. As shipped,
 // the front's Pod is admitted by Pod Security baseline (a dry run in a
 // namespace of namespace.yaml's labels; the control: the test's own
 // patch, the host's network, is refused there).
@@ -192,6 +193,23 @@ func testFrontDeployment(t *testing.T, c *cluster, ns, img, certs, api string) {
 	p := frontPod()
 	t.Logf("front Pod %s: its kiln killed and restarted (restarts: %d); the session then said %q",
 		p.Name, p.Status.ContainerStatuses[0].RestartCount, strings.TrimSpace(got))
+
+	// The front's Pod deleted the ordinary way (SIGTERM, as in a rolling
+	// update): the Deployment's next Pod goes on with the session.
+	if err := cs.CoreV1().Pods(ns).Delete(ctx, p.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if !waitUntil(ctx, 5*time.Minute, func() bool {
+		q := frontPod()
+		return q != nil && q.Name != p.Name && len(q.Status.ContainerStatuses) > 0 && q.Status.ContainerStatuses[0].Ready
+	}) {
+		t.Fatalf("no new front Pod became ready after %s was deleted:\n%s", p.Name, c.podsOf(t, ns))
+	}
+	got = call("print(x + 2)")
+	if !strings.Contains(got, "43") || strings.Contains(got, "Error") {
+		t.Fatalf("after the front's Pod was deleted, the session says:\n%s", got)
+	}
+	t.Logf("front Pod %s deleted, %s in its place; the session then said %q", p.Name, frontPod().Name, strings.TrimSpace(got))
 }
 
 // bearerToken sends its token with every request.
