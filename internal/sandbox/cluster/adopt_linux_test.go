@@ -168,15 +168,7 @@ func TestSessionFollowsFront(t *testing.T) {
 	defer cancel()
 	run := func(m *session.Manager, principal, code string) *session.Outcome {
 		t.Helper()
-		s, err := m.Get(principal, "s")
-		if err != nil {
-			t.Fatal(err)
-		}
-		out, err := s.RunPython(ctx, code, time.Minute)
-		if err != nil {
-			t.Fatalf("%s: %v", code, err)
-		}
-		return out
+		return runIn(ctx, t, m, principal, "s", code)
 	}
 	run(mgrs[0], "alice", "x = 6")
 	for i, want := range []string{"42", "43", "44"} {
@@ -278,15 +270,7 @@ func TestHandOver(t *testing.T) {
 	defer cancel()
 	run := func(m *session.Manager, principal, code string) *session.Outcome {
 		t.Helper()
-		s, err := m.Get(principal, "s")
-		if err != nil {
-			t.Fatal(err)
-		}
-		out, err := s.RunPython(ctx, code, time.Minute)
-		if err != nil {
-			t.Fatalf("%s: %v", code, err)
-		}
-		return out
+		return runIn(ctx, t, m, principal, "s", code)
 	}
 	first := session.NewManager(session.Options{Backend: front(t, dir, a)})
 	run(first, "alice", "x = 41")
@@ -309,4 +293,18 @@ func TestHandOver(t *testing.T) {
 	if got := out.Result["text/plain"]; got != "42" || out.Note != "" {
 		t.Fatalf("after a graceful stop of the session's front, the next front found x = %q (note %q, stderr %q), want 42", got, out.Note, out.Stderr.Text)
 	}
+}
+
+// runIn runs code in the session name of principal on m.
+func runIn(ctx context.Context, t *testing.T, m *session.Manager, principal, name, code string) *session.Outcome {
+	t.Helper()
+	s, err := m.Get(principal, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := s.RunPython(ctx, code, time.Minute)
+	if err != nil {
+		t.Fatalf("%s: %v", code, err)
+	}
+	return out
 }

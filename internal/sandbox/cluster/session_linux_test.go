@@ -115,15 +115,7 @@ func TestSessionSurvivesNode(t *testing.T) {
 		defer cancel()
 		run := func(code string) *session.Outcome {
 			t.Helper()
-			s, err := mgr.Get("local", "s")
-			if err != nil {
-				t.Fatal(err)
-			}
-			out, err := s.RunPython(ctx, code, time.Minute)
-			if err != nil {
-				t.Fatalf("%s: %v", code, err)
-			}
-			return out
+			return runIn(ctx, t, mgr, "local", "s", code)
 		}
 		run("x = 6")
 		run("x = x * 7") // the first call set the mark; this one is saved
