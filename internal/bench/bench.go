@@ -38,6 +38,11 @@ type Options struct {
 	// for the local jail server measured alongside a cluster backend.
 	Traits Traits
 	Jail   Traits
+	// Alongside are other backends a cluster run (Traits.Nodes) measures
+	// row by row as it does the jail: the Pod-per-box kubernetes backend,
+	// say, beside the node daemons, in the same run. Their servers get
+	// ServerArgs too.
+	Alongside []Alongside
 	// ServerArgs are added to every `kiln mcp` command line (limits,
 	// --preload, --agent …); ServerEnv to its environment.
 	ServerArgs []string
@@ -76,6 +81,12 @@ type Options struct {
 	// Progress, if set, gets a line per measurement as it starts.
 	Progress io.Writer
 	Logger   *slog.Logger
+}
+
+// Alongside is a backend measured beside a cluster run's.
+type Alongside struct {
+	Backend string
+	Traits  Traits
 }
 
 // Traits are what the bench knows of a backend; kiln bench takes them from

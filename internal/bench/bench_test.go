@@ -350,3 +350,24 @@ func TestClusterTargets(t *testing.T) {
 		t.Error("a jail target checked on a cluster run")
 	}
 }
+
+// TestPairAlongside: each row of a backend measured alongside (the jail,
+// kubernetes) follows the row of the same key, jail first, and one with
+// no such row comes last.
+func TestPairAlongside(t *testing.T) {
+	r := &runner{opts: Options{Alongside: []Alongside{{Backend: "kubernetes"}}}, rep: &Report{}}
+	for _, k := range []string{"session", "percall", "throughput-4",
+		"jail:session", "jail:percall", "kubernetes:k8s-create-hit", "kubernetes:session", "kubernetes:percall"} {
+		r.add(Measurement{Key: k})
+	}
+	r.pairJail()
+	var got []string
+	for _, m := range r.rep.Measurements {
+		got = append(got, m.Key)
+	}
+	want := []string{"session", "jail:session", "kubernetes:session", "percall", "jail:percall", "kubernetes:percall",
+		"throughput-4", "kubernetes:k8s-create-hit"}
+	if !slices.Equal(got, want) {
+		t.Errorf("rows in the order\n%v\nwant\n%v", got, want)
+	}
+}

@@ -222,12 +222,25 @@ func (r *runner) loop(ctx context.Context, srv *server, clients int, session str
 // same run; their keys start with jailPrefix and pairJail places each
 // after its kubernetes row.
 func (r *runner) alongsideJail(ctx context.Context) error {
+	return r.alongside(ctx, "jail", r.opts.Jail, "a local jail server")
+}
+
+// alongside measures the session, per-call, throughput and CPU rows with
+// servers of another backend, in the same run (and, for the kubernetes
+// backend, its warm-pool hit and miss); their keys start with the
+// backend's name and a colon, and pairJail places each after the row of
+// the same key.
+func (r *runner) alongside(ctx context.Context, backend string, traits Traits, what string) error {
 	o := r.opts
-	o.Backend, o.Traits = "jail", r.opts.Jail
-	j := &runner{opts: o, log: r.log, cpu: r.cpu, rep: &Report{Backend: "jail", CPUs: r.rep.CPUs}}
-	r.progress("measuring the same with a local jail server")
+	o.Backend, o.Traits = backend, traits
+	j := &runner{opts: o, log: r.log, cpu: r.cpu, rep: &Report{Backend: backend, CPUs: r.rep.CPUs}}
+	r.progress("measuring the same with %s", what)
+	steps := []step{{"session", j.session}, {"percall", j.perCall}, {"throughput", j.throughput}, {"cpu-box", j.boxAndCallCPU}}
+	if traits.Cluster {
+		steps = append([]step{{"k8s-create", j.k8sCreate}}, steps...)
+	}
 	var errs []string
-	for _, s := range []step{{"session", j.session}, {"percall", j.perCall}, {"throughput", j.throughput}, {"cpu-box", j.boxAndCallCPU}} {
+	for _, s := range steps {
 		if j.skipped(s.key) {
 			continue
 		}
@@ -240,44 +253,60 @@ func (r *runner) alongsideJail(ctx context.Context) error {
 		}
 	}
 	for _, m := range j.rep.Measurements {
-		m.Key = jailPrefix + m.Key
-		m.Name = "  jail: " + m.Name
+		m.Key = backend + ":" + m.Key
+		m.Name = "  " + backend + ": " + m.Name
 		r.add(m)
 	}
 	if len(errs) > 0 {
-		return fmt.Errorf("the jail alongside: %s", strings.Join(errs, "; "))
+		return fmt.Errorf("the %s alongside: %s", backend, strings.Join(errs, "; "))
 	}
 	return nil
 }
 
-// pairJail orders a kubernetes run's rows so that each jail row follows
-// the kubernetes row of the same key.
+// pairJail orders a run's rows so that the rows of the backends measured
+// alongside (keys "jail:…", "kubernetes:…") follow the row of the same key,
+// in the order they were measured; those with no such row come last.
 func (r *runner) pairJail() {
 	ms := r.rep.Measurements
-	twins := map[string]Measurement{}
+	own := map[string]bool{}
+	for _, m := range ms {
+		if !r.alongsideKey(m.Key) {
+			own[m.Key] = true
+		}
+	}
+	twins := map[string][]Measurement{}
 	var rest []Measurement
 	for _, m := range ms {
-		if k, ok := strings.CutPrefix(m.Key, jailPrefix); ok {
-			twins[k] = m
+		if !r.alongsideKey(m.Key) {
+			continue
+		}
+		_, k, _ := strings.Cut(m.Key, ":")
+		if own[k] {
+			twins[k] = append(twins[k], m)
+		} else {
+			rest = append(rest, m)
 		}
 	}
 	out := make([]Measurement, 0, len(ms))
 	for _, m := range ms {
-		if strings.HasPrefix(m.Key, jailPrefix) {
-			continue
-		}
-		out = append(out, m)
-		if t, ok := twins[m.Key]; ok {
-			out = append(out, t)
+		if !r.alongsideKey(m.Key) {
+			out = append(out, m)
+			out = append(out, twins[m.Key]...)
 			delete(twins, m.Key)
 		}
 	}
-	for _, m := range ms {
-		if k, ok := strings.CutPrefix(m.Key, jailPrefix); ok {
-			if _, left := twins[k]; left {
-				rest = append(rest, m)
-			}
+	r.rep.Measurements = append(out, rest...)
+}
+
+// alongsideKey says whether key is a row of a backend measured alongside.
+func (r *runner) alongsideKey(key string) bool {
+	if strings.HasPrefix(key, jailPrefix) {
+		return true
+	}
+	for _, o := range r.opts.Alongside {
+		if strings.HasPrefix(key, o.Backend+":") {
+			return true
 		}
 	}
-	r.rep.Measurements = append(out, rest...)
+	return false
 }

@@ -115,10 +115,16 @@ func (r *runner) nodeSteps() []step {
 	if r.opts.Traits.Nodes == 0 {
 		return nil
 	}
-	return []step{
+	steps := []step{
 		{"nodes-throughput", r.throughputByNodes},
 		{"jail", r.alongsideJail},
 	}
+	for _, o := range r.opts.Alongside {
+		steps = append(steps, step{o.Backend, func(ctx context.Context) error {
+			return r.alongside(ctx, o.Backend, o.Traits, "the "+o.Backend+" backend")
+		}})
+	}
+	return steps
 }
 
 // throughputByNodes measures the per-call throughput at the most clients

@@ -38,7 +38,8 @@ forks of the jail's template, direct starts). Then it checks the targets
 of issues 18, 28 and 29, relative ones against this run's baselines.
 With --backend cluster it starts two kiln node daemons (the jail) as its
 children, fronts them, measures a local jail server alongside, and the
-per-call throughput through one node and through both. With
+per-call throughput through one node and through both; -alongside
+kubernetes measures the Pod-per-box backend row by row beside them. With
 --backend kubernetes it also measures a per-call run on a warm-pool hit
 and miss, the CPU per box and per session call of the control plane
 (kube-apiserver, etcd, kubelet, containerd, shims; from /proc, net of an
@@ -53,11 +54,12 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	fs.SetOutput(stderr)
 	fs.Usage = func() { fmt.Fprint(stderr, benchUsage); fs.PrintDefaults() }
 	var (
-		opts    bench.Options
-		clients string
-		skip    string
-		jsonOut = fs.String("json", "", "also write the report as JSON to this file")
-		verbose = fs.Bool("v", false, "show the servers' logs on stderr")
+		opts      bench.Options
+		clients   string
+		skip      string
+		alongside string
+		jsonOut   = fs.String("json", "", "also write the report as JSON to this file")
+		verbose   = fs.Bool("v", false, "show the servers' logs on stderr")
 	)
 	d := bench.Default
 	fs.StringVar(&opts.Backend, "backend", d.Backend, "backend of the kiln servers under test: "+backendNames())
@@ -72,6 +74,7 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 	fs.IntVar(&opts.IdleBoxes, "idle", d.IdleBoxes, "idle sandboxes and sessions the memory figures look at")
 	fs.DurationVar(&opts.Settle, "settle", d.Settle, "pause before each first call on a new session and each series")
 	fs.DurationVar(&opts.Gap, "gap", d.Gap, "pause between the per-call runs of the warm-pool series")
+	fs.StringVar(&alongside, "alongside", "", "with --backend cluster: other backends to measure row by row beside it in the same run, as the jail is (kubernetes: the Pod-per-box backend, given its flags)")
 	fs.StringVar(&skip, "skip", "", "comma-separated measurements to leave out: spawn, bwrap, fork, pipe, jupyter, native, coldstart, session, first, percall, pandas, throughput, hardening, network, pss")
 	var backendArgs []func() ([]string, error)
 	for _, e := range registry {
@@ -90,6 +93,21 @@ func runBench(args []string, stdout, stderr io.Writer) error {
 		return e.absent
 	}
 	opts.Traits, opts.Jail = e.bench, entry("jail").bench
+	for _, name := range splitList(alongside) {
+		if e.bench.Nodes == 0 {
+			return fmt.Errorf("--alongside: only a cluster run (--backend cluster) measures other backends beside its own, not --backend %s", opts.Backend)
+		}
+		o := entry(name)
+		switch {
+		case o == nil:
+			return fmt.Errorf("--alongside: unknown backend %q (%s)", name, backendNames())
+		case o.absent != nil:
+			return fmt.Errorf("--alongside %s: %w", name, o.absent)
+		case name == opts.Backend || name == "jail":
+			return fmt.Errorf("--alongside %s: it is measured already", name)
+		}
+		opts.Alongside = append(opts.Alongside, bench.Alongside{Backend: name, Traits: o.bench})
+	}
 	for _, args := range backendArgs {
 		a, err := args()
 		if err != nil {

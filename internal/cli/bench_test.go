@@ -57,4 +57,16 @@ func TestBenchTraitsFromRegistry(t *testing.T) {
 	if err := runBench([]string{"--backend", "nosuch"}, new(strings.Builder), new(strings.Builder)); err == nil || !strings.Contains(err.Error(), "unknown backend") {
 		t.Errorf("kiln bench --backend nosuch: %v", err)
 	}
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--backend", "jail", "--alongside", "gvisor"}, "only a cluster run"},
+		{[]string{"--backend", "cluster", "--alongside", "nosuch"}, "unknown backend"},
+		{[]string{"--backend", "cluster", "--alongside", "jail"}, "measured already"},
+	} {
+		if err := runBench(c.args, new(strings.Builder), new(strings.Builder)); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("kiln bench %s: %v, want an error saying %q", strings.Join(c.args, " "), err, c.want)
+		}
+	}
 }
