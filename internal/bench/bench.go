@@ -671,6 +671,9 @@ func (r *runner) throughput(ctx context.Context) error {
 	if err := sleep(ctx, r.opts.Settle); err != nil {
 		return err
 	}
+	if err := r.quiet(ctx); err != nil {
+		return err
+	}
 	r.progress("measuring the idle machine's CPU for %s", r.opts.Duration)
 	w := r.cpuStart(srv)
 	if err := sleep(ctx, r.opts.Duration); err != nil {

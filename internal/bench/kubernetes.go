@@ -116,6 +116,9 @@ func (r *runner) boxAndCallCPU(ctx context.Context) error {
 	if err := sleep(ctx, r.opts.Settle); err != nil {
 		return err
 	}
+	if err := r.quiet(ctx); err != nil {
+		return err
+	}
 	r.progress("measuring the idle machine's CPU for %s", r.opts.Duration)
 	w, s := window()
 	if err := sleep(ctx, r.opts.Duration); err != nil {

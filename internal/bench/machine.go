@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strconv"
@@ -147,4 +148,41 @@ func (r *runner) cpuRow(key, name string, span cpuSpan, n int, note string) {
 	}
 	m.P99 = m.P50
 	r.add(m)
+}
+
+// Waiting for quiet before an idle baseline: at most quietFor, in windows
+// of quietWindow.
+const (
+	quietFor    = 90 * time.Second
+	quietWindow = time.Second
+)
+
+// quiet waits, before an idle baseline, until a window of quietWindow
+// finds the machine less than busyMachine busy, or quietFor has passed: a
+// server that has just started may still be filling its pool (a Pod per
+// box takes seconds each), and a baseline taken then counts its work as
+// idle. Where the machine never goes quiet, the baseline's row warns.
+func (r *runner) quiet(ctx context.Context) error {
+	deadline := time.Now().Add(quietFor)
+	for said := false; ; {
+		b0, err := machineBusy()
+		if err != nil {
+			return nil
+		}
+		if err := sleep(ctx, quietWindow); err != nil {
+			return err
+		}
+		b1, err := machineBusy()
+		if err != nil {
+			return nil
+		}
+		busy := (b1 - b0).Seconds() / (quietWindow.Seconds() * float64(r.rep.CPUs))
+		if busy < busyMachine || time.Now().After(deadline) {
+			return nil
+		}
+		if !said {
+			r.progress("  waiting for the machine to go quiet before the idle baseline (%.0f%% busy)", 100*busy)
+			said = true
+		}
+	}
 }
