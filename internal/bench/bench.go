@@ -684,7 +684,7 @@ func (r *runner) throughput(ctx context.Context) error {
 		m := Measurement{Key: "cpu-idle", Name: "CPU busy, idle machine, machine-wide", Unit: "ms CPU", N: 1,
 			P50: ms(idle.Machine), P99: ms(idle.Machine),
 			Note: fmt.Sprintf("all CPUs over %s with the server idle, just before the throughput runs: subtract it from their totals", idle.Elapsed.Round(time.Millisecond))}
-		busy := idle.Machine.Seconds() / (idle.Elapsed.Seconds() * float64(r.rep.CPUs))
+		busy := r.busyShare(idle)
 		r.rep.IdleBusy = busy
 		if busy > busyMachine {
 			m.Note += fmt.Sprintf("; WARNING: the machine was %.0f%% busy without kiln, so every machine-wide figure holds other work", 100*busy)

@@ -165,18 +165,15 @@ const (
 func (r *runner) quiet(ctx context.Context) error {
 	deadline := time.Now().Add(quietFor)
 	for said := false; ; {
-		b0, err := machineBusy()
-		if err != nil {
-			return nil
-		}
+		w := r.cpuStart(nil)
 		if err := sleep(ctx, quietWindow); err != nil {
 			return err
 		}
-		b1, err := machineBusy()
-		if err != nil {
+		span := w.stop()
+		if span.MachineErr != nil {
 			return nil
 		}
-		busy := (b1 - b0).Seconds() / (quietWindow.Seconds() * float64(r.rep.CPUs))
+		busy := r.busyShare(span)
 		if busy < busyMachine || time.Now().After(deadline) {
 			return nil
 		}
@@ -185,4 +182,9 @@ func (r *runner) quiet(ctx context.Context) error {
 			said = true
 		}
 	}
+}
+
+// busyShare is the share of all CPUs that span found busy machine-wide.
+func (r *runner) busyShare(span cpuSpan) float64 {
+	return span.Machine.Seconds() / (span.Elapsed.Seconds() * float64(r.rep.CPUs))
 }
