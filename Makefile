@@ -12,7 +12,7 @@ APT_TEST    := iproute2 nftables curl qemu-system-x86 debootstrap e2fsprogs syst
 # its disks and debugfs reads the results back.
 APT_FIELDHOST := qemu-system-x86 debootstrap e2fsprogs
 
-.PHONY: all build build-full depaware run serve demo test test-go test-e2e conformance deps deps-runtime deps-test runsc wasm lint race fuzz k8s-cluster k8s-down k8s-test k8s-e2e fieldhost-test fieldhost-image deps-fieldhost clean
+.PHONY: all build build-full depaware run serve demo test test-go test-e2e conformance deps deps-runtime deps-test s3-server runsc wasm lint race fuzz k8s-cluster k8s-down k8s-test k8s-e2e fieldhost-test fieldhost-image deps-fieldhost clean
 
 all: build
 
@@ -21,7 +21,7 @@ all: build
 # double its size and its cold build. build-full builds them in, by their
 # build tags (internal/cli/features.go); the kubernetes tests, CI's cluster
 # path and a kiln for a Deployment use it.
-FULL_TAGS := kiln_kubernetes,kiln_oci
+FULL_TAGS := kiln_kubernetes,kiln_oci,kiln_s3
 
 build:
 	@$(GO) build -o $(BIN)/ ./cmd/kiln ./cmd/kiln-agent >&2
@@ -58,12 +58,22 @@ endef
 deps-runtime:
 	$(call apt_need,$(APT_RUNTIME))
 
-deps-test: deps-runtime
+deps-test: deps-runtime s3-server
 	$(call apt_need,$(APT_TEST))
 	cd e2e && npm ci --no-audit --no-fund --loglevel=error
 	cd e2e/conformance && npm ci --no-audit --no-fund --loglevel=error
 
 deps: deps-runtime
+
+# The S3 server the shared-saves tests run against: versitygw (Apache-2.0,
+# a POSIX directory as its store), built from the Go module proxy at a
+# pinned version into kiln's cache (about 2 minutes cold), found there by
+# internal/sharedsaves/s3test.
+VERSITYGW_VERSION := v1.8.0
+VERSITYGW := $(HOME)/.cache/kiln/tools/versitygw-$(VERSITYGW_VERSION)/versitygw
+s3-server:
+	@test -x $(VERSITYGW) || { echo "building versitygw $(VERSITYGW_VERSION) (the tests' S3 server)" >&2; \
+		GOBIN=$(dir $(VERSITYGW)) CGO_ENABLED=0 $(GO) install github.com/versity/versitygw/cmd/versitygw@$(VERSITYGW_VERSION) >&2; }
 
 # The main job: kiln as an MCP server on stdio, on the jail backend.
 # make prints nothing of its own here: its recipes are silent, and
@@ -82,6 +92,8 @@ demo: deps-runtime build
 # whose registration the tags select (cli, cmd) run both ways.
 test: deps-test build-full test-go test-e2e conformance
 
+test-go: export KILN_TEST_S3 := 1
+test-go: export KILN_VERSITYGW := $(VERSITYGW)
 test-go:
 	$(GO) test -count=1 -timeout 30m ./...
 	$(GO) test -count=1 -timeout 10m -tags $(FULL_TAGS) ./internal/cli ./cmd/...

@@ -25,7 +25,7 @@ var depawareLists = []struct {
 	// The default kiln (make build, make run): no Kubernetes, no OCI push.
 	{"depaware.txt", ".", "", []string{"k8s.io/", "sigs.k8s.io/", "github.com/google/go-containerregistry/", "kiln/internal/sandbox/kubernetes", "kiln/internal/image/oci"}},
 	// make build-full: every optional feature (internal/cli/features.go).
-	{"depaware-full.txt", ".", "kiln_kubernetes,kiln_oci", nil},
+	{"depaware-full.txt", ".", "kiln_kubernetes,kiln_oci,kiln_s3", nil},
 	{"../kiln-agent/depaware.txt", "../kiln-agent", "", nil},
 }
 

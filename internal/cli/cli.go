@@ -310,7 +310,7 @@ func (c *common) startLocked(ctx context.Context, log *slog.Logger) (*stack, err
 	if err := c.resources.check(c.maxOutput); err != nil {
 		return nil, err
 	}
-	hib, err := c.hib.options(c.snapshots.stateDir)
+	hib, err := c.hib.options(ctx, c.snapshots.stateDir)
 	if err != nil {
 		return nil, err
 	}

@@ -7,7 +7,7 @@ import (
 
 // The parts of kiln that most hosts do not need and that would double its
 // size and its build (the Kubernetes backend's client-go, OCI push's
-// go-containerregistry) are left out of the default build the way
+// go-containerregistry, shared saves' minio-go) are left out of the default build the way
 // tailscale leaves features out: each is a build tag and a small
 // registration file, feature_<name>.go, built only with the tag, beside
 // feature_<name>_omit.go, built without it, which puts in its place an
@@ -16,7 +16,7 @@ import (
 // (cmd/*/depaware*.txt, make depaware).
 
 // fullTags are the build tags of every optional feature.
-const fullTags = "kiln_kubernetes,kiln_oci"
+const fullTags = "kiln_kubernetes,kiln_oci,kiln_s3"
 
 // feature is one optional part of kiln.
 type feature struct {
@@ -28,7 +28,8 @@ type feature struct {
 var (
 	featureKubernetes = feature{tag: "kiln_kubernetes", what: "the kubernetes backend", in: hasKubernetes}
 	featureOCI        = feature{tag: "kiln_oci", what: "OCI push (kiln image build --oci)", in: hasOCI}
-	features          = []feature{featureKubernetes, featureOCI}
+	featureS3         = feature{tag: "kiln_s3", what: "shared saves in an S3-compatible bucket (--saves-bucket)", in: hasS3}
+	features          = []feature{featureKubernetes, featureOCI, featureS3}
 )
 
 // featureLines say, for kiln version, which optional features this kiln

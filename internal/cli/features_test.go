@@ -35,8 +35,8 @@ func TestMissingFeatures(t *testing.T) {
 	if k8s != hasKubernetes || oci != hasOCI {
 		t.Fatalf("kubernetes built in %v, OCI push %v; their registration files say %v, %v", k8s, oci, hasKubernetes, hasOCI)
 	}
-	if k8s != oci {
-		t.Fatalf("kubernetes built in %v, OCI push %v: make build-full builds both", k8s, oci)
+	if k8s != oci || oci != hasS3 {
+		t.Fatalf("kubernetes built in %v, OCI push %v, shared saves %v: make build-full builds them all", k8s, oci, hasS3)
 	}
 	file := writeConfig(t, "[backends.kubernetes]\nk8s-namespace = \"boxes\"\n")
 	for _, tc := range []struct {
@@ -49,6 +49,7 @@ func TestMissingFeatures(t *testing.T) {
 		{[]string{"run", "--config", file, "-c", "1"}, "kiln_kubernetes", k8s},
 		{[]string{"k8s", "seccomp-profile"}, "kiln_kubernetes", k8s},
 		{[]string{"image", "build", "--oci", "localhost:5000/kiln/box:t"}, "kiln_oci", oci},
+		{[]string{"run", "--state-dir", t.TempDir(), "--saves-bucket", "s3://kiln-saves", "-c", "1"}, "kiln_s3", hasS3},
 	} {
 		if tc.in {
 			continue // it would build an image or reach a cluster

@@ -66,3 +66,22 @@ func (m *Manager) StoreBytes() (tracked, onDisk int64) {
 	}
 	return tracked, onDisk
 }
+
+// SharedKey names a session's save in shared storage.
+var SharedKey = sharedKey
+
+// Unpack is what a save from shared storage is unpacked by.
+var Unpack = unpack
+
+// Pack is what a save is put in shared storage as.
+var Pack = pack
+
+// PackedSize is the length of Pack's archive.
+var PackedSize = packedSize
+
+// WaitShared waits for the uploads to shared storage in flight.
+func (m *Manager) WaitShared() {
+	if m.hib != nil && m.hib.sh != nil {
+		m.hib.sh.pushes.Wait()
+	}
+}

@@ -53,6 +53,10 @@ type HibernateOptions struct {
 	// SaveTimeout bounds the total time Close spends saving live sessions
 	// (DefaultHibernateSaveTimeout), and each save of the reaper.
 	SaveTimeout time.Duration
+	// Shared, if set, keeps each session's newest save in storage other
+	// servers share too, and a session resumes from the newest save of
+	// any of them (shared.go).
+	Shared SharedSaves
 }
 
 // Defaults of HibernateOptions; kiln's flags default to them too.
@@ -146,6 +150,21 @@ func (m *Manager) hibernateIdle() {
 		}
 	}
 	h.st.expire(h.opts.TTL)
+	if h.sh != nil {
+		go h.sh.expire(h.opts.TTL, m.sharedKeys)
+	}
+}
+
+// sharedKeys are the shared-storage keys of the sessions this server
+// holds: the sweep of shared storage keeps their saves.
+func (m *Manager) sharedKeys() map[string]bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	keys := make(map[string]bool, len(m.sessions))
+	for k := range m.sessions {
+		keys[sharedKey(k.principal, k.name)] = true
+	}
+	return keys
 }
 
 // reapSavers bounds the saves the reaper runs at once.
@@ -197,6 +216,7 @@ func (h *hibernator) goSave(save func()) bool {
 type hibernator struct {
 	opts HibernateOptions
 	st   *store
+	sh   *sharer        // nil without HibernateOptions.Shared
 	wg   sync.WaitGroup // checkpoints and the reaper's saves in flight
 	// savers bound the reaper's saves in flight (hibernateIdle).
 	savers saverSlots
@@ -210,8 +230,20 @@ type hibernator struct {
 // live says which sessions are live, for what the save expires (nil: the
 // manager's sessions). Call it on the session's turn.
 func (h *hibernator) save(ctx context.Context, s *Session, box sandbox.Sandbox, live func(principal, name string) bool) (*sandbox.SnapshotInfo, error) {
-	_, info, err := h.st.save(ctx, box, saveReq{principal: s.principal, session: s.name, hib: true, live: live})
+	dir, info, err := h.st.save(ctx, box, saveReq{principal: s.principal, session: s.name, hib: true, live: live})
+	if err == nil && h.sh != nil {
+		h.sh.push(s.principal, s.name, dir)
+	}
 	return info, err
+}
+
+// forget drops the session's saved state here and in shared storage;
+// true if this server had some.
+func (h *hibernator) forget(principal, name string) bool {
+	if h.sh != nil {
+		h.sh.drop(principal, name)
+	}
+	return h.st.removeHib(principal, name)
 }
 
 // hibernate saves an idle session and destroys its box, if the session's
@@ -383,6 +415,11 @@ func (m *Manager) hibernateAll(all map[key]*Session) {
 	if saved > 0 || len(all) > 0 {
 		m.log.Info("hibernated sessions at shutdown", "saved", saved, "sessions", len(all), "took", time.Since(start))
 	}
+	if m.hib.sh != nil { // the uploads get a SaveTimeout of their own
+		ctx, cancel := context.WithTimeout(context.Background(), m.hib.opts.SaveTimeout)
+		defer cancel()
+		m.hib.sh.wait(ctx)
+	}
 }
 
 func (m *Manager) saveAtClose(ctx context.Context, s *Session) bool {
@@ -429,6 +466,9 @@ func (m *Manager) saveAtClose(ctx context.Context, s *Session) bool {
 // result (a failed resume gives a fresh box and a note saying why).
 func (s *Session) resume(ctx context.Context, from string) (box sandbox.Sandbox, note string, err error) {
 	m, h := s.m, s.m.hib
+	if h.sh != nil {
+		h.sh.pull(ctx, s.principal, s.name)
+	}
 	snap, err := h.st.latest(s.principal, s.name)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
@@ -440,7 +480,7 @@ func (s *Session) resume(ctx context.Context, from string) (box sandbox.Sandbox,
 	case err != nil:
 		m.log.Warn("a saved session could not be read; starting a fresh sandbox", "session", s.name, "principal", s.principal, "err", err)
 		if !errors.Is(err, errNotOwner) {
-			h.st.removeHib(s.principal, s.name)
+			h.forget(s.principal, s.name)
 		}
 		s.clearHibernated()
 		return nil, fmt.Sprintf("this session's saved state could not be read (%v); %s: %s", err, msgNewBox, m.survived(true, true)), nil
@@ -462,7 +502,7 @@ func (s *Session) resume(ctx context.Context, from string) (box sandbox.Sandbox,
 			return nil, "", err
 		}
 		m.log.Warn("could not resume a saved session; starting a fresh sandbox", "session", s.name, "principal", s.principal, "err", err)
-		h.st.removeHib(s.principal, s.name)
+		h.forget(s.principal, s.name)
 		s.clearHibernated()
 		return nil, fmt.Sprintf("this session's saved state could not be restored (%v); %s: %s", err, msgNewBox, m.survived(true, true)), nil
 	}
@@ -579,8 +619,10 @@ func (m *Manager) hasSaved(principal, name string) bool {
 	if m.hib == nil || !ValidName(name) {
 		return false
 	}
-	_, err := m.hib.st.latest(principal, name)
-	return err == nil
+	if _, err := m.hib.st.latest(principal, name); err == nil {
+		return true
+	}
+	return m.hib.sh != nil && m.hib.sh.has(context.Background(), principal, name)
 }
 
 // forgetSaved drops the session's saved state: it was reset, or its box
@@ -589,7 +631,7 @@ func (m *Manager) forgetSaved(principal, name string) bool {
 	if m.hib == nil {
 		return false
 	}
-	return m.hib.st.removeHib(principal, name)
+	return m.hib.forget(principal, name)
 }
 
 // wasHibernated reports whether the session's box was saved and destroyed.

@@ -244,6 +244,9 @@ func NewManager(opts Options) *Manager {
 			m.log.Error("sessions will not be hibernated", "err", err)
 		} else {
 			m.hib = &hibernator{opts: opts.Hibernate, st: st}
+			if opts.Hibernate.Shared != nil {
+				m.hib.sh = newSharer(opts.Hibernate.Shared, st)
+			}
 		}
 	}
 	m.wg.Add(1)

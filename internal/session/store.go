@@ -525,6 +525,41 @@ func (st *store) save(ctx context.Context, box sandbox.Sandbox, r saveReq) (stri
 	return dir, info, nil
 }
 
+// fetch keeps, as the session's newest hibernation save, what fill writes
+// into a temporary directory (a save from shared storage), within the
+// quotas and the cap on one save as for any save: fill claims what it
+// will write before it writes, and returns when the save was taken. Call
+// it on the session's turn.
+func (st *store) fetch(ctx context.Context, principal, session string, fill func(tmp string, claim func(int64) error) (time.Time, error)) (string, error) {
+	if err := st.own(principal, session); err != nil {
+		return "", err
+	}
+	r := saveReq{principal: principal, session: session, hib: true}
+	tmp := filepath.Join(st.sessionDir(principal, session), tempName())
+	if err := os.Mkdir(tmp, 0o700); err != nil {
+		return "", fmt.Errorf("making the snapshot directory: %w", err)
+	}
+	claim := func(n int64) error {
+		// A tar's headers come on top of the files (sharedSlack).
+		if st.snapLimit > 0 && n > st.snapLimit+sharedSlack {
+			return fmt.Errorf("the save is %d bytes, more than a box's limits let one save be (%d)", n, st.snapLimit)
+		}
+		return st.claim(tmp, n, r)
+	}
+	saved, err := fill(tmp, claim)
+	if err == nil {
+		err = claim(dirSize(tmp))
+	}
+	if err == nil {
+		var dir string
+		if dir, err = st.commit(tmp, saved, r); err == nil {
+			return dir, nil
+		}
+	}
+	st.forget(tmp)
+	return "", err
+}
+
 // claim claims n bytes for the save being written into tmp, replacing
 // what it claimed before, if they fit in the quotas; it may expire
 // hibernated sessions to make room under the cap on all.
