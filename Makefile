@@ -99,7 +99,7 @@ test-go:
 	$(GO) test -count=1 -timeout 10m -tags $(FULL_TAGS) ./internal/cli ./cmd/...
 
 test-e2e: build-full
-	cd e2e && KILN_BIN=$(CURDIR)/$(BIN)/kiln node --test --test-concurrency=1
+	cd e2e && KILN_TEST_S3=1 KILN_VERSITYGW=$(VERSITYGW) KILN_BIN=$(CURDIR)/$(BIN)/kiln node --test --test-concurrency=1
 
 # The official MCP conformance suite (server mode) against kiln serve,
 # without and with a token; e2e/conformance/expected-failures.yml lists

@@ -6,13 +6,17 @@
 // its last checkpoint and says what was lost, and a front is killed with
 // SIGKILL under a live session, which another front goes on with in the
 // same box, and so does a third after the second stops with SIGTERM.
+// With fronts that share a bucket (--saves-bucket, on a real S3 server:
+// versitygw, make s3-server), a node and the front that placed a session
+// there are killed together, and a third front resumes it from the bucket.
 //
 // Both nodes run on one host, kept apart as two processes with their own
 // listeners and boxes; two machines are not to be had here.
 import { describe, it, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn, execFileSync } from 'node:child_process';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdtempSync, mkdirSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
+import { randomBytes } from 'node:crypto';
 import os from 'node:os';
 import path from 'node:path';
 
@@ -182,6 +186,116 @@ describe('cluster: a front replica killed under a live session', { skip }, () =>
     for (let i = 0; made() - destroyed() !== 1; i++) {
       assert.ok(i < 200, `the nodes hold ${made() - destroyed()} box(es), want 1 (bob's, till its grace)`);
       await sleep(50);
+    }
+  });
+});
+
+// versitygw finds the tests' S3 server: $KILN_VERSITYGW, else kiln's
+// cache, where `make s3-server` builds it.
+function versitygw() {
+  if (process.env.KILN_VERSITYGW) return process.env.KILN_VERSITYGW;
+  const p = path.join(os.homedir(), '.cache', 'kiln', 'tools', 'versitygw-v1.8.0', 'versitygw');
+  return existsSync(p) ? p : null;
+}
+const bucketSkip = skip || (!versitygw() && process.env.KILN_TEST_S3 !== '1' && 'shared saves: no versitygw (run make s3-server)');
+
+// startS3 runs versitygw on a directory of dir with one bucket, its keys
+// by the environment, and makes the bucket with curl (SigV4).
+async function startS3(dir) {
+  const bin = versitygw();
+  assert.ok(bin, 'no versitygw: run make s3-server (KILN_TEST_S3=1 says it must be there)');
+  const data = path.join(dir, 's3-data');
+  const meta = path.join(dir, 's3-meta');
+  mkdirSync(data);
+  mkdirSync(meta);
+  const keys = { AWS_ACCESS_KEY_ID: `kiln${randomBytes(4).toString('hex')}`, AWS_SECRET_ACCESS_KEY: randomBytes(16).toString('hex') };
+  const port = await freePort();
+  const proc = spawn(bin, ['--quiet', '--port', `127.0.0.1:${port}`, 'posix', '--sidecar', meta, data], {
+    env: { ...process.env, ROOT_ACCESS_KEY_ID: keys.AWS_ACCESS_KEY_ID, ROOT_SECRET_ACCESS_KEY: keys.AWS_SECRET_ACCESS_KEY },
+    stdio: ['ignore', 'ignore', 'inherit'],
+  });
+  const endpoint = `http://127.0.0.1:${port}`;
+  for (let i = 0; ; i++) {
+    try {
+      const code = execFileSync('curl', ['-s', '-o', '/dev/null', '-w', '%{http_code}', '--aws-sigv4', 'aws:amz:us-east-1:s3',
+        '--user', `${keys.AWS_ACCESS_KEY_ID}:${keys.AWS_SECRET_ACCESS_KEY}`, '-H', 'x-amz-content-sha256: UNSIGNED-PAYLOAD',
+        '-X', 'PUT', `${endpoint}/kiln-saves`]).toString();
+      if (code === '200') break;
+    } catch {
+      // not listening yet
+    }
+    assert.ok(i < 100, 'versitygw never made its bucket');
+    await sleep(100);
+  }
+  return { endpoint, keys, objects: () => { try { return readdirSync(path.join(data, 'kiln-saves', 'e2e')); } catch { return []; } }, stop: () => proc.kill('SIGKILL') };
+}
+
+describe('cluster: a node and its front killed together, the fronts sharing a bucket', { skip: bucketSkip }, () => {
+  const c = cluster('cluster-bucket');
+  let s3;
+  before(async () => {
+    await c.start();
+    s3 = await startS3(c.dir);
+  });
+  after(async () => {
+    s3?.stop();
+    await c.stop();
+  });
+
+  it('resumes the session on the node left, through a third front, from the last save in the bucket', async () => {
+    const tokenFile = path.join(c.dir, 'tokens');
+    writeFileSync(tokenFile, 'alice:bucket-token-of-alice\n', { mode: 0o600 });
+    const flags = (tag, bucket) => [...c.flags(), '--pool', '0', '--token-file', tokenFile, '--checkpoint-every', '1ms',
+      '--state-dir', path.join(c.dir, `state-${tag}`), ...(bucket ? ['--saves-bucket', 's3://kiln-saves/e2e', '--saves-endpoint', s3.endpoint] : [])];
+    const first = await startHTTP({ flags: flags('first', true), env: s3.keys });
+    let victim;
+    try {
+      const conn = await connectHTTP(first.url, 'bucket-token-of-alice');
+      ok(await call(conn.client, 'run_python', { session: 'b', code: 'x = 41' }));
+      ok(await call(conn.client, 'run_shell', { session: 'b', command: 'echo kept > note.txt' }));
+      ok(await call(conn.client, 'run_python', { session: 'b', code: 'x = x' })); // saved after this call
+      const made = c.nodes.map((n) => n.boxesMade());
+      assert.deepEqual(made.slice().sort(), [0, 1], `boxes made by node: ${made}`);
+      victim = c.nodes[made.indexOf(1)];
+      for (let i = 0; ; i++) {
+        const list = text(await call(conn.client, 'list_sessions', {}));
+        if (/^b\tlive.*, saved \d+s ago/m.test(list) && !/changed since|not saved/.test(list) && s3.objects().length === 1) break;
+        assert.ok(i < 100, `no save of b in the bucket (objects ${s3.objects()}):\n${list}\n${first.log()}`);
+        await sleep(100);
+      }
+      // The node and the front, at once.
+      victim.proc.kill('SIGKILL');
+      first.proc.kill('SIGKILL');
+    } finally {
+      await first.stop();
+      await victim?.stop('SIGKILL');
+    }
+    // The control: a front without the bucket finds nothing of b.
+    const control = await startHTTP({ flags: flags('control', false) });
+    try {
+      const conn = await connectHTTP(control.url, 'bucket-token-of-alice');
+      const t = ok(await call(conn.client, 'run_python', { session: 'b', code: 'print(globals().get("x"))' }));
+      assert.match(t, /^None$/m, t);
+      // Its fresh box would be adopted by the next front: reset it.
+      ok(await call(conn.client, 'reset_session', { session: 'b' }));
+      await conn.close();
+    } finally {
+      await control.stop();
+    }
+    const third = await startHTTP({ flags: flags('third', true), env: s3.keys });
+    try {
+      const conn = await connectHTTP(third.url, 'bucket-token-of-alice');
+      const t = ok(await call(conn.client, 'run_python', { session: 'b', code: 'print(x + 1, open("note.txt").read().strip())' }));
+      assert.match(t, /^42 kept$/m, `${t}\nthe third front's log:\n${third.log()}`);
+      assert.match(t, /resumed this session from its last save in shared storage/, t);
+      const left = c.nodes.find((n) => n !== victim);
+      assert.ok(left.boxesMade() >= 2, 'the session resumed on the node left');
+      // A reset deletes the save from the bucket too.
+      ok(await call(conn.client, 'reset_session', { session: 'b' }));
+      assert.deepEqual(s3.objects(), [], 'the bucket after a reset');
+      await conn.close();
+    } finally {
+      await third.stop();
     }
   });
 });

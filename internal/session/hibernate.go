@@ -466,8 +466,8 @@ func (m *Manager) saveAtClose(ctx context.Context, s *Session) bool {
 // result (a failed resume gives a fresh box and a note saying why).
 func (s *Session) resume(ctx context.Context, from string) (box sandbox.Sandbox, note string, err error) {
 	m, h := s.m, s.m.hib
-	if h.sh != nil {
-		h.sh.pull(ctx, s.principal, s.name)
+	if h.sh != nil && h.sh.pull(ctx, s.principal, s.name) {
+		from = fromShared
 	}
 	snap, err := h.st.latest(s.principal, s.name)
 	switch {
@@ -671,6 +671,7 @@ func (s *Session) fromSaved(ctx context.Context, lost, from string) (box sandbox
 const (
 	fromHibernation = "hibernation"
 	fromLastSave    = "its last save"
+	fromShared      = "its last save in shared storage"
 )
 
 // fromCheckpoint resumes the session from its last save, if it has one,

@@ -157,23 +157,23 @@ func (sh *sharer) push(principal, session, dir string) {
 }
 
 // pull brings the session's save from shared storage into the local
-// store when it is newer than the local one (or there is none there). It
-// is a no-op when shared storage has none; a failure is logged and the
-// local save, if any, is used.
-func (sh *sharer) pull(ctx context.Context, principal, session string) {
+// store when it is newer than the local one (or there is none there), and
+// says whether it did. It is a no-op when shared storage has none; a
+// failure is logged and the local save, if any, is used.
+func (sh *sharer) pull(ctx context.Context, principal, session string) bool {
 	key := sharedKey(principal, session)
 	sctx, cancel := context.WithTimeout(ctx, sharedTimeout)
 	remote, err := sh.saves.Stat(sctx, key)
 	cancel()
 	if errors.Is(err, fs.ErrNotExist) {
-		return
+		return false
 	}
 	if err != nil {
 		sh.log.Warn("could not reach shared storage for a session's save; using this server's own, if any", "session", session, "principal", principal, "storage", sh.saves.String(), "err", err)
-		return
+		return false
 	}
 	if local, err := sh.st.latest(principal, session); err == nil && !remote.Saved.After(local.saved) {
-		return
+		return false
 	}
 	start := time.Now()
 	dir, err := sh.st.fetch(ctx, principal, session, func(tmp string, claim func(int64) error) (time.Time, error) {
@@ -192,7 +192,7 @@ func (sh *sharer) pull(ctx context.Context, principal, session string) {
 	})
 	if err != nil {
 		sh.log.Warn("could not take a session's save from shared storage; using this server's own, if any", "session", session, "principal", principal, "storage", sh.saves.String(), "err", err)
-		return
+		return false
 	}
 	sh.mu.Lock()
 	if t, _ := snapTime(filepath.Base(dir)); t.After(sh.pushed[key]) {
@@ -200,6 +200,7 @@ func (sh *sharer) pull(ctx context.Context, principal, session string) {
 	}
 	sh.mu.Unlock()
 	sh.log.Info("took a session's save from shared storage", "session", session, "principal", principal, "saved", remote.Saved, "took", time.Since(start))
+	return true
 }
 
 // has says whether shared storage holds a save of the session.

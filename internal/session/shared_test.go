@@ -58,7 +58,7 @@ func TestSharedSaves(t *testing.T) {
 		t.Error("Lookup on a server with the session only in the bucket found nothing")
 	}
 	out := hibRun(t, b, "alice", "s", "x + 1")
-	if out.Result["text/plain"] != "42" || !strings.Contains(out.Note, resumedNote) {
+	if out.Result["text/plain"] != "42" || !strings.Contains(out.Note, "resumed this session from its last save in shared storage in ") {
 		t.Fatalf("from the bucket: %+v %q", out.ExecResult, out.Note)
 	}
 	// Another principal's session of the same name is not alice's.

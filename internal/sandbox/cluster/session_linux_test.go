@@ -8,9 +8,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/minio/minio-go/v7"
+
 	"kiln/internal/sandbox"
 	"kiln/internal/sandbox/cluster"
 	"kiln/internal/session"
+	"kiln/internal/sharedsaves"
+	"kiln/internal/sharedsaves/s3test"
 )
 
 // TestHostLost: a box tells its node's loss (the node gone, or another run
@@ -176,4 +180,79 @@ func TestSessionSurvivesNode(t *testing.T) {
 		}
 		t.Logf("the notes: %s | %s", during.Note, after.Note)
 	})
+}
+
+// TestSessionSurvivesNodeAndFront: a node and the front that placed a
+// session there, lost together, take nothing the session saved when the
+// fronts share a bucket (--saves-bucket): the next front its client
+// reaches, with a state directory of its own and empty, resumes the
+// session on another node from its last save. The control, a front with
+// neither the first front's disk nor the bucket, starts it afresh.
+func TestSessionSurvivesNodeAndFront(t *testing.T) {
+	srv := s3test.Start(t)
+	bucket := func() session.SharedSaves {
+		b, err := sharedsaves.Open(context.Background(), sharedsaves.Options{Bucket: "s3://" + srv.Bucket + "/saves", Endpoint: srv.Endpoint})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	dir := certs(t)
+	a, na := startNode(t, dir, cluster.NodeOptions{})
+	b, nb := startNode(t, dir, cluster.NodeOptions{})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	first := session.NewManager(session.Options{
+		Backend:   front(t, dir, a, b),
+		Hibernate: session.HibernateOptions{Dir: t.TempDir(), CheckpointEvery: time.Nanosecond, Shared: bucket()},
+	})
+	// first is lost with the node: nothing of it is used after that, and
+	// it is closed only once the test is over.
+	t.Cleanup(first.Close)
+	runIn(ctx, t, first, "alice", "s", "x = 6")
+	runIn(ctx, t, first, "alice", "s", "x = x * 7") // the first call set the mark; this one is saved
+	waitFor(t, func() bool {
+		for o := range srv.Client(t).ListObjects(ctx, srv.Bucket, minio.ListObjectsOptions{Prefix: "saves/"}) {
+			if o.Err == nil {
+				return true
+			}
+		}
+		return false
+	})
+	var on *cluster.Node
+	switch {
+	case na.Status().Boxes == 1 && nb.Status().Boxes == 0:
+		on = na
+	case nb.Status().Boxes == 1 && na.Status().Boxes == 0:
+		on = nb
+	default:
+		t.Fatalf("boxes by node: %d and %d, want one box", na.Status().Boxes, nb.Status().Boxes)
+	}
+	on.Close()
+
+	control := session.NewManager(session.Options{
+		Backend:   front(t, dir, a, b),
+		Hibernate: session.HibernateOptions{Dir: t.TempDir(), CheckpointEvery: -1},
+	})
+	defer control.Close()
+	if out := runIn(ctx, t, control, "alice", "s", "globals().get('x')"); out.Result["text/plain"] == "42" {
+		t.Fatalf("the control, without the bucket, found the session: %+v", out.ExecResult)
+	}
+	// Its fresh box, bound to the session on the node left, would be
+	// adopted by the next front: the newest state there is.
+	control.Reset("alice", "s")
+
+	second := session.NewManager(session.Options{
+		Backend:   front(t, dir, a, b),
+		Hibernate: session.HibernateOptions{Dir: t.TempDir(), CheckpointEvery: -1, Shared: bucket()},
+	})
+	defer second.Close()
+	out := runIn(ctx, t, second, "alice", "s", "x")
+	if out.Result["text/plain"] != "42" || !strings.Contains(out.Note, "resumed this session from its last save in shared storage") {
+		t.Fatalf("after its node and its front went: %+v %q", out.ExecResult, out.Note)
+	}
+	t.Logf("the note: %s", out.Note)
+	if n := na.Status().Boxes + nb.Status().Boxes; n < 1 {
+		t.Errorf("the resumed session has no box on the node left")
+	}
 }
