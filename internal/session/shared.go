@@ -182,6 +182,9 @@ func (sh *sharer) pull(ctx context.Context, principal, session string) bool {
 			return time.Time{}, err
 		}
 		defer body.Close()
+		if got.Size < 0 { // the server's word, like the rest
+			return time.Time{}, fmt.Errorf("shared storage gave the save a size of %d", got.Size)
+		}
 		if err := claim(got.Size); err != nil {
 			return time.Time{}, err
 		}

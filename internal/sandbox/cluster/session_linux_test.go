@@ -131,15 +131,7 @@ func TestSessionSurvivesNode(t *testing.T) {
 			}
 			return false
 		})
-		var on *cluster.Node
-		switch {
-		case na.Status().Boxes == 1 && nb.Status().Boxes == 0:
-			on = na
-		case nb.Status().Boxes == 1 && na.Status().Boxes == 0:
-			on = nb
-		default:
-			t.Fatalf("boxes by node: %d and %d, want one box", na.Status().Boxes, nb.Status().Boxes)
-		}
+		on := holder(t, na, nb)
 		if between {
 			during = run(code)
 			loss(on)
@@ -219,16 +211,7 @@ func TestSessionSurvivesNodeAndFront(t *testing.T) {
 		}
 		return false
 	})
-	var on *cluster.Node
-	switch {
-	case na.Status().Boxes == 1 && nb.Status().Boxes == 0:
-		on = na
-	case nb.Status().Boxes == 1 && na.Status().Boxes == 0:
-		on = nb
-	default:
-		t.Fatalf("boxes by node: %d and %d, want one box", na.Status().Boxes, nb.Status().Boxes)
-	}
-	on.Close()
+	holder(t, na, nb).Close()
 
 	control := session.NewManager(session.Options{
 		Backend:   front(t, dir, a, b),
@@ -255,4 +238,17 @@ func TestSessionSurvivesNodeAndFront(t *testing.T) {
 	if n := na.Status().Boxes + nb.Status().Boxes; n < 1 {
 		t.Errorf("the resumed session has no box on the node left")
 	}
+}
+
+// holder is the one of two nodes that holds the one box between them.
+func holder(t *testing.T, na, nb *cluster.Node) *cluster.Node {
+	t.Helper()
+	switch {
+	case na.Status().Boxes == 1 && nb.Status().Boxes == 0:
+		return na
+	case nb.Status().Boxes == 1 && na.Status().Boxes == 0:
+		return nb
+	}
+	t.Fatalf("boxes by node: %d and %d, want one box", na.Status().Boxes, nb.Status().Boxes)
+	return nil
 }
